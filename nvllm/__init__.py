@@ -1,0 +1,16 @@
+"""nvllm: a multi-process, tensor-parallel LLM inference engine."""
+
+from nvllm.common.outputs import CompletionOutput, RequestOutput
+from nvllm.common.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in transformers and zmq; import it only when asked for.
+    if name == "LLM":
+        from nvllm.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,158 @@
+"""Engine configuration and the model facts both sides derive from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+# Default KV-cache budget per worker on CPU (GiB), like vLLM's VLLM_CPU_KVCACHE_SPACE.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the leader and the workers need to know about a checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    torch_dtype: str
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike) -> ModelInfo:
+        path = Path(model)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(
+                f"{path} has no config.json: point --model at a local HF-format checkpoint "
+                "folder (nvllm does not download from a hub)"
+            )
+        cfg = json.loads(cfg_file.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"architecture {archs} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos: Any = None
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        if eos is None:
+            eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" (the checkpoint's) | float32 | bfloat16 | float16
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = DEFAULT_CPU_KV_CACHE_GIB
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    seed: int = 0
+    worker_start_timeout_s: float = 300.0
+    step_timeout_s: float = 600.0
+    model_info: ModelInfo | None = field(default=None, repr=False)
+
+    def finalize(self) -> EngineConfig:
+        """Validate, resolve "auto" values and read the checkpoint's facts."""
+        self.model = str(Path(self.model).expanduser())
+        info = self.model_info = ModelInfo.from_pretrained(self.model)
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.device == "auto":
+            self.device = _detect_device()
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype == "auto":
+            self.dtype = info.torch_dtype if info.torch_dtype in DTYPES else "float32"
+            if self.device == "cpu" and self.dtype == "float16":
+                self.dtype = "bfloat16"  # fp16 matmuls on CPU are slow and lossy
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
+        if info.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads={info.num_attention_heads} is not divisible by "
+                f"tensor_parallel_size={tp}"
+            )
+        kv = info.num_key_value_heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ValueError(
+                f"num_key_value_heads={kv} and tensor_parallel_size={tp}: one must divide "
+                "the other"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is None:
+            self.max_model_len = info.max_position_embeddings
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("model_info")
+        return d
+
+
+def _detect_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"

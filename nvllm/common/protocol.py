@@ -1,0 +1,184 @@
+"""The leader <-> worker wire protocol: message dataclasses and their msgpack codec.
+
+Messages travel as msgpack arrays ``[kind, field0, field1, ...]`` (positional, so a
+running decode costs a handful of bytes per sequence). Decoding checks every field's
+type, so a malformed frame becomes a ``ProtocolError``, never a half-built message.
+Nothing here is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from nvllm.common.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Field type specs: "int", "float", "str", "bool", "any", "ints" (list of int),
+# "?int" (int or None), a message class (nested), or [cls] (list of nested).
+
+
+@dataclass(slots=True)
+class WorkerSampling:
+    """What rank 0 needs to sample one sequence (a subset of SamplingParams)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # masked until min_tokens
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    SPEC: ClassVar[tuple] = ("float", "float", "int", "float", "?int", "int", "ints",
+                             "float", "float", "float", "?int")
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """A sequence the workers do not hold yet (new, or resumed after preemption)."""
+
+    seq_id: int
+    token_ids: list[int]  # every token known so far: prompt + generated
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
+    num_new_tokens: int  # tokens to compute this step
+    block_table: list[int]
+    sampling: WorkerSampling
+    SPEC: ClassVar[tuple] = ("int", "ints", "int", "int", "int", "ints", WorkerSampling)
+
+
+@dataclass(slots=True)
+class RunningSeq:
+    """Delta for a sequence the workers already hold."""
+
+    seq_id: int
+    num_new_tokens: int
+    new_token_ids: list[int]  # tokens the workers have not seen (the last sampled one)
+    new_block_ids: list[int]  # blocks appended to the block table since the last plan
+    SPEC: ClassVar[tuple] = ("int", "int", "ints", "ints")
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_seqs: list[NewSeq]
+    running: list[RunningSeq]
+    finished_ids: list[int]  # finished, aborted or preempted: workers drop their state
+    KIND: ClassVar[int] = 1
+    SPEC: ClassVar[tuple] = ("int", [NewSeq], [RunningSeq], "ints")
+
+
+@dataclass(slots=True)
+class InitKVCache:
+    num_blocks: int
+    KIND: ClassVar[int] = 2
+    SPEC: ClassVar[tuple] = ("int",)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    KIND: ClassVar[int] = 3
+    SPEC: ClassVar[tuple] = ()
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """Sent by every rank after loading weights (num_blocks: what fits in its budget),
+    and again after the KV cache is allocated (stage 'kv')."""
+
+    rank: int
+    stage: str
+    num_blocks: int
+    info: dict
+    KIND: ClassVar[int] = 10
+    SPEC: ClassVar[tuple] = ("int", "str", "int", "any")
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    seq_ids: list[int]  # sequences that sampled a token this step
+    token_ids: list[int]
+    # Per sampled sequence when asked: [logprob of the token, [[id, logprob], ...]]
+    logprobs: list | None
+    worker_time_s: float
+    KIND: ClassVar[int] = 11
+    SPEC: ClassVar[tuple] = ("int", "ints", "ints", "any", "float")
+
+
+@dataclass(slots=True)
+class WorkerError:
+    rank: int
+    step_id: int
+    message: str
+    traceback: str
+    KIND: ClassVar[int] = 12
+    SPEC: ClassVar[tuple] = ("int", "int", "str", "str")
+
+
+MESSAGES: dict[int, type] = {
+    c.KIND: c for c in (StepPlan, InitKVCache, Shutdown, WorkerReady, StepResult, WorkerError)
+}
+
+
+def _enc(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return [_enc(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(obj, list):
+        return [_enc(x) for x in obj]
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb([msg.KIND, *_enc(msg)[:]], use_bin_type=True)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _dec(spec: Any, v: Any, where: str) -> Any:
+    if isinstance(spec, list):
+        if not isinstance(v, list):
+            raise ProtocolError(f"{where}: expected a list")
+        return [_dec(spec[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(spec, type):
+        if not isinstance(v, list) or len(v) != len(spec.SPEC):
+            raise ProtocolError(f"{where}: expected {spec.__name__} with {len(spec.SPEC)} fields")
+        return spec(*[_dec(s, x, f"{where}.{f.name}")
+                      for s, x, f in zip(spec.SPEC, v, dataclasses.fields(spec))])
+    ok = {
+        "int": _is_int,
+        "?int": lambda x: x is None or _is_int(x),
+        "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+        "str": lambda x: isinstance(x, str),
+        "bool": lambda x: isinstance(x, bool),
+        "ints": lambda x: isinstance(x, list) and all(_is_int(i) for i in x),
+        "any": lambda x: True,
+    }[spec](v)
+    if not ok:
+        raise ProtocolError(f"{where}: expected {spec}, got {type(v).__name__}")
+    return float(v) if spec == "float" else v
+
+
+def decode(data: bytes, max_bytes: int = 1 << 30) -> Any:
+    if len(data) > max_bytes:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"not a msgpack frame: {e}") from None
+    if not isinstance(obj, list) or not obj or not _is_int(obj[0]):
+        raise ProtocolError("frame is not [kind, ...]")
+    cls = MESSAGES.get(obj[0])
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {obj[0]}")
+    return _dec(cls, obj[1:], cls.__name__)

@@ -1,0 +1,104 @@
+"""Per-request sampling parameters (vLLM conventions)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    # Filled by the engine from the checkpoint's generation config, not by users.
+    eos_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v))
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer; 0 or -1 disables it")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _INT64_MAX):
+            raise bad("seed", "must be None or an integer in [0, 2**63)")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                raise bad("stop_token_ids", "must be a list of non-negative integers")
+            self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a number > 0 (1.0 disables it)")
+        if not is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        lp = self.logprobs
+        if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
+            raise bad("logprobs", "must be None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def all_stop_token_ids(self) -> set[int]:
+        ids = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
+        return cls(**d)
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        d = self.to_dict()
+        d.update(changes)
+        return SamplingParams(**d)

@@ -1,0 +1,143 @@
+"""Per-sequence view of the KV cache: block tables, prefix-cache lookups and caching.
+
+The scheduler asks three things of it: what prefix of a sequence is already cached
+(``get_computed_blocks``), room for the next tokens (``allocate_slots``), and to give a
+sequence's blocks back (``free``). After each step the engine calls
+``cache_computed_blocks`` so that blocks enter the prefix cache only once their KV has
+really been computed by the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nvllm.leader import block_pool
+from nvllm.leader.block_pool import BlockPool, KVBlock
+from nvllm.leader.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def _block_hash(self, seq: Sequence, i: int) -> bytes:
+        bs = self.block_size
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[j - 1] if j else None
+            seq.block_hashes.append(
+                block_pool.hash_block_tokens(parent, seq.token_ids[j * bs:(j + 1) * bs]))
+        return seq.block_hashes[i]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
+        """Longest cached prefix of a sequence that holds no blocks, in full blocks.
+
+        At most num_tokens - 1 tokens can hit: the last token is always computed so
+        that the step produces logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        parent_entry = 0
+        for i in range((seq.num_tokens - 1) // bs):
+            block = self.pool.lookup(self._block_hash(seq, i),
+                                     seq.token_ids[i * bs:(i + 1) * bs], parent_entry)
+            if block is None:
+                break
+            hits.append(block)
+            parent_entry = block.entry_id
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for num_new_tokens more tokens after the computed ones.
+
+        With computed_blocks (a new or resumed sequence), those cache hits become the
+        start of its block table. Returns False, changing nothing, if blocks run short.
+        """
+        computed_blocks = computed_blocks or []
+        if computed_blocks:
+            assert not seq.block_table and seq.num_computed_tokens == 0
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = (cdiv(num_computed + num_new_tokens, self.block_size)
+                      - len(seq.block_table) - len(computed_blocks))
+        num_hits_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_needed, 0) + num_hits_free > self.pool.num_free_blocks:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            seq.block_table.extend(b.block_id for b in computed_blocks)
+            seq.chain_entries[:] = [b.entry_id for b in computed_blocks]
+            seq.num_cached_blocks = len(computed_blocks)
+            seq.num_computed_tokens = num_computed
+        if num_needed > 0:
+            seq.block_table.extend(b.block_id for b in self.pool.get_new_blocks(num_needed))
+        return True
+
+    def record_lookup(self, seq: Sequence) -> None:
+        """Count an admission's lookup (tokens queried, tokens hit) in the stats."""
+        if self.enable_prefix_caching:
+            self.stats.queries += seq.num_tokens
+            self.stats.hits += seq.num_computed_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # chain_entries can stop short of num_cached_blocks' goal after a collision:
+        # past a block whose hash belongs to different content, nothing is cached.
+        while seq.num_cached_blocks < num_full and len(seq.chain_entries) == seq.num_cached_blocks:
+            i = seq.num_cached_blocks
+            h = self._block_hash(seq, i)
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            parent = seq.chain_entries[i - 1] if i else 0
+            existing = self.pool.lookup(h, tokens, parent)
+            if existing is not None:
+                # Same content computed twice (e.g. two prompts admitted together):
+                # keep the cached copy, ours stays an ordinary block.
+                seq.chain_entries.append(existing.entry_id)
+            elif self.pool.hash_taken(h):
+                break  # collision with other content: stop caching this sequence
+            else:
+                seq.chain_entries.append(self.pool.register(seq.block_table[i], h, tokens, parent))
+            seq.num_cached_blocks += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks tail-first, so its prefix outlives its suffix."""
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(seq.block_table))
+        seq.block_table.clear()
+        seq.chain_entries.clear()
+        seq.num_cached_blocks = 0
+        seq.num_computed_tokens = 0

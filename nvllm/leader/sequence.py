@@ -1,0 +1,59 @@
+"""A sequence: one completion being generated (a request with n > 1 has n of them)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nvllm.common.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # prompt + generated, append-only
+    num_prompt_tokens: int
+    params: SamplingParams
+    index: int = 0  # which of the request's n completions
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose KV is in the cache. The last sampled token is never computed yet.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Prefix-cache bookkeeping (see KVCacheManager): chained hashes of full blocks,
+    # memoized because tokens are append-only; the cache entry each full block of the
+    # table is known as; how many leading blocks of the table are in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    chain_entries: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    # What the workers hold for this sequence (plans carry only the difference).
+    on_worker: bool = False
+    num_sent_tokens: int = 0
+    num_sent_blocks: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    logprobs: list | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,130 @@
+"""The offline Python API: ``LLM(model, ...).generate(prompts, params)``.
+
+The calling process is the leader (scheduler, block manager, tokenizer); the
+tensor-parallel workers are child processes that ``shutdown()`` (or leaving the
+``with`` block, or the parent dying) stops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from nvllm.common.config import EngineConfig
+from nvllm.common.errors import RequestRejected
+from nvllm.common.outputs import RequestOutput
+from nvllm.common.sampling_params import SamplingParams
+from nvllm.launch.spawn import LocalWorkers, start_local_workers
+from nvllm.leader.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, tensor_parallel_size: int = 1, device: str = "auto",
+                 dtype: str = "auto", block_size: int = 16, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, skip_tokenizer_init: bool = False,
+                 **kwargs: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = EngineConfig(
+            model=model, tensor_parallel_size=tensor_parallel_size, device=device, dtype=dtype,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, **kwargs).finalize()
+        self.tokenizer = (None if skip_tokenizer_init
+                          else AutoTokenizer.from_pretrained(self.config.model))
+        self._workers: LocalWorkers | None = start_local_workers(self.config)
+        # Stop the workers even if the user forgets shutdown() (or the interpreter exits).
+        self._finalizer = weakref.finalize(self, self._workers.stop)
+        atexit.register(self._finalizer)
+        try:
+            self.engine = LLMEngine(self.config, self._workers.client, self.tokenizer)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._workers.pids if self._workers else []
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt the engine cannot serve (too long, token ids outside the vocabulary,
+        ...) gets an output with ``finish_reason == "error"`` and ``error`` saying why;
+        the other prompts are generated as usual.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling "
+                                 "params: give one, or one per prompt")
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompts, params_list):
+            text, ids = _split_prompt(prompt)
+            try:
+                req = self.engine.add_request(text, params, prompt_token_ids=ids)
+                order.append(req.request_id)
+            except RequestRejected as e:
+                rid = f"rejected-{len(order)}"
+                order.append(rid)
+                logger.warning("request rejected: %s", e)
+                results[rid] = RequestOutput(rid, text, list(ids or []), [], error=str(e))
+        pending = sum(1 for rid in order if rid not in results)
+        with tqdm(total=pending, desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        if self._workers is None:
+            return
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self._workers = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")

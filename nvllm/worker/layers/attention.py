@@ -1,0 +1,25 @@
+"""Attention over the paged KV cache: stores this step's K/V, then attends."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvllm.kernels import attention as ops
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+        # Set by the model runner once the cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: ops.AttentionMetadata) -> torch.Tensor:
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.backend)
+        return ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.backend)

@@ -1,0 +1,44 @@
+"""Vocab-parallel embedding and LM head. The vocabulary is padded to a multiple of the
+tensor-parallel size; padded rows are zero and their logits are cut before sampling."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nvllm.worker.parallel import TPContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.world_size)
+        self.vocab_start = tp.rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
+        n = self.vocab_end - self.vocab_start
+        if n > 0:
+            param.data[:n].copy_(src[self.vocab_start:self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mask, input_ids - self.vocab_start, 0)
+        y = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary float32 logits on rank 0, None on the other ranks."""
+        logits = self.tp.gather_to_first(F.linear(hidden_states, self.weight))
+        return None if logits is None else logits[:, :self.vocab_size].float()

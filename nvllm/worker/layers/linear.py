@@ -1,0 +1,118 @@
+"""Column- and row-parallel linear layers that load their own shard of HF weights.
+
+Each parameter carries a ``weight_loader(param, src, shard_id)`` where ``src`` is a lazy
+safetensors slice (or a tensor): it is indexed only for this rank's rows/columns, so a
+worker reads just the bytes it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nvllm.worker.parallel import TPContext, shard_range
+
+
+def _load(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0) -> None:
+    index = [slice(None)] * len(src.get_shape() if hasattr(src, "get_shape") else src.shape)
+    index[dim] = slice(start, end)
+    t = src[tuple(index)]
+    param.data.narrow(dim, dst_off, end - start).copy_(t)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; the output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        assert output_size % tp.world_size == 0
+        self.tp = tp
+        self.output_size_per_partition = output_size // tp.world_size
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size, dtype=dtype),
+            requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
+        start, end = shard_range(param.shape[0] * self.tp.world_size, self.tp)
+        _load(param, src, 0, start, end)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (gate_proj + up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPContext,
+                 dtype: torch.dtype) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp, dtype)
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id: int) -> None:
+        tp = self.tp.world_size
+        size = self.output_sizes[shard_id] // tp
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        start = self.tp.rank * size
+        _load(param, src, 0, start, start + size, offset)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. With fewer KV heads than ranks, KV heads are replicated:
+    rank r serves KV head r // (tp // num_kv_heads)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPContext, dtype: torch.dtype) -> None:
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.world_size
+        self.num_kv_heads = max(1, num_kv_heads // tp.world_size)
+        if num_kv_heads >= tp.world_size:
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            self.kv_head_start = tp.rank // (tp.world_size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.world_size
+        super().__init__(hidden_size, out, bias, tp, dtype)
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id: str) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            start, size, off = self.tp.rank * q_size, q_size, 0
+        else:
+            start, size = self.kv_head_start * d, kv_size
+            off = q_size if shard_id == "k" else q_size + kv_size
+        _load(param, src, 0, start, start + size, off)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        assert input_size % tp.world_size == 0
+        self.tp = tp
+        self.input_size_per_partition = input_size // tp.world_size
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=dtype),
+            requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = lambda p, src, shard_id=None: p.data.copy_(src[:])
+
+    def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
+        size = self.input_size_per_partition
+        _load(param, src, 1, self.tp.rank * size, (self.tp.rank + 1) * size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,164 @@
+"""Per-rank execution of step plans: worker-side sequence state, input preparation,
+the forward pass, and (rank 0) sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.common import protocol
+from nvllm.common.config import EngineConfig
+from nvllm.kernels.attention import AttentionMetadata, resolve_backend
+from nvllm.worker.loader import load_weights
+from nvllm.worker.models.llama import MODEL_REGISTRY
+from nvllm.worker.parallel import TPContext
+from nvllm.worker.sampler import Sampler, SampleRequest
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class WorkerSeq:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling: protocol.WorkerSampling
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPContext, device: torch.device) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        self.tp = tp
+        self.device = device
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.block_size
+        hf_config = AutoConfig.from_pretrained(config.model)
+        arch = config.model_info.architecture
+        self.backend = resolve_backend(config.attention_backend, device)
+        with torch.device(device):
+            self.model = MODEL_REGISTRY[arch](hf_config, tp, self.dtype,
+                                              max(config.max_model_len, 1), self.backend)
+        load_weights(self.model, config.model, show_progress=tp.rank == 0)
+        self.model.eval()
+        self.sampler = Sampler(config.seed) if tp.rank == 0 else None
+        self.seqs: dict[int, WorkerSeq] = {}
+        self.kv_cache: torch.Tensor | None = None
+        attn0 = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+
+    # ---- KV cache -------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        layers = len(self.model.layers)
+        return (2 * layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
+
+    def available_kv_blocks(self) -> int:
+        """How many KV blocks this rank can hold within its memory budget."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * self.config.gpu_memory_utilization - used
+            # Keep room for activations of a full batch (measured-free estimate: the
+            # largest step's hidden states and logits a few times over).
+            peak = (self.config.max_num_batched_tokens * 16
+                    * self.model.embed_tokens.weight.shape[1] * self.dtype.itemsize)
+            return max(0, int((budget - peak) // self.block_bytes()))
+        return int(self.config.cpu_kv_cache_gib * (1 << 30) // self.block_bytes())
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        layers = len(self.model.layers)
+        self.kv_cache = torch.zeros(2, layers, num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+
+    # ---- one step -------------------------------------------------------------------
+
+    def _apply_plan(self, plan: protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
+        for sid in plan.finished_ids:
+            self.seqs.pop(sid, None)
+        batch = []
+        for ns in plan.new_seqs:
+            seq = WorkerSeq(ns.token_ids, ns.num_prompt_tokens, ns.num_computed_tokens,
+                            ns.block_table, ns.sampling)
+            self.seqs[ns.seq_id] = seq
+            batch.append((ns.seq_id, seq, ns.num_new_tokens))
+        for rs in plan.running:
+            seq = self.seqs[rs.seq_id]
+            seq.token_ids.extend(rs.new_token_ids)
+            seq.block_table.extend(rs.new_block_ids)
+            batch.append((rs.seq_id, seq, rs.num_new_tokens))
+        return batch
+
+    def _prepare(self, batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                        list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for _, seq, n in batch:
+            start = seq.num_computed_tokens
+            end = start + n
+            if end > len(seq.token_ids) or -(-end // bs) > len(seq.block_table):
+                raise RuntimeError(f"plan asks for tokens {start}..{end} of a sequence with "
+                                   f"{len(seq.token_ids)} tokens, {len(seq.block_table)} blocks")
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            bt = seq.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            if end == len(seq.token_ids):
+                sample_rows.append(cu[-1] - 1)
+        max_blocks = max(len(s.block_table) for _, s, _ in batch)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for _, s, _ in batch]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+            max_seqlen_k=max(seq_lens),
+            cu_seqlens_q_host=cu,
+            seq_lens_host=seq_lens,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, plan: protocol.StepPlan) -> protocol.StepResult | None:
+        t0 = time.perf_counter()
+        batch = self._apply_plan(plan)
+        if not batch:
+            return protocol.StepResult(plan.step_id, [], [], None, 0.0) if self.tp.rank == 0 \
+                else None
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        sampling = [(sid, seq) for sid, seq, n in batch
+                    if seq.num_computed_tokens + n == len(seq.token_ids)]
+        for _, seq, n in batch:
+            seq.num_computed_tokens += n
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        if self.tp.rank != 0:
+            return None
+        tokens, logprobs = [], None
+        if sampling:
+            reqs = [SampleRequest(seq.sampling, seq.token_ids, seq.num_prompt_tokens)
+                    for _, seq in sampling]
+            tokens, logprobs = self.sampler(logits, reqs)
+        return protocol.StepResult(plan.step_id, [sid for sid, _ in sampling], tokens,
+                                   logprobs, time.perf_counter() - t0)

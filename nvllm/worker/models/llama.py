@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3) with tensor parallelism.
+
+The members differ only in flags read from the HF config: QKV bias (Qwen2), per-head
+q/k RMSNorm (Qwen3), explicit head_dim, rope scaling and tied embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvllm.kernels.attention import AttentionMetadata
+from nvllm.worker.layers.activation import SiluAndMul
+from nvllm.worker.layers.attention import Attention
+from nvllm.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nvllm.worker.layers.layernorm import RMSNorm
+from nvllm.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
+from nvllm.worker.parallel import TPContext
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, rotary: RotaryEmbedding,
+                 backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, heads, kv_heads,
+                                          qkv_bias, tp, dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size,
+                                        o_bias, tp, dtype)
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5, backend)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        d = self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
+                             self.num_kv_heads * d], dim=-1)
+        q = q.view(-1, self.num_heads, d)
+        k = k.view(-1, self.num_kv_heads, d)
+        v = v.view(-1, self.num_kv_heads, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v.contiguous(), meta)
+        return self.o_proj(o.reshape(-1, self.num_heads * d))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, tp,
+                                           dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, tp, dtype, rotary, backend, qkv_bias, o_bias, qk_norm) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, tp, dtype, rotary, backend, qkv_bias, o_bias,
+                                          qk_norm)
+        self.mlp = DecoderMLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name -> (our fused parameter, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias): HF Llama and Qwen3 use attention_bias for both."""
+        b = bool(getattr(cfg, "attention_bias", False))
+        return b, b
+
+    def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, max_position: int,
+                 attention_backend: str = "torch") -> None:
+        super().__init__()
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        inv_freq, scaling = compute_inv_freq(cfg, head_dim)
+        rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
+        qkv_bias, o_bias = self.attention_biases(cfg)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, dtype, rotary, attention_backend, qkv_bias, o_bias,
+                         self.qk_norm)
+            for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)
+
+    def param_for(self, hf_name: str) -> list[tuple[str, object]]:
+        """Our parameter name(s) and shard id for one checkpoint tensor ([] = skip)."""
+        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        if "rotary_emb.inv_freq" in name:
+            return []
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return []  # tied: the head is loaded from embed_tokens
+        targets = [(name, None)]
+        if name == "embed_tokens.weight" and self.tie_word_embeddings:
+            targets.append(("lm_head.weight", None))
+        out = []
+        for n, _ in targets:
+            for hf, (ours, shard) in self.packed_modules_mapping.items():
+                if f".{hf}." in n:
+                    out.append((n.replace(f".{hf}.", f".{ours}."), shard))
+                    break
+            else:
+                out.append((n, None))
+        return out
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        return True, False  # Qwen2 always has q/k/v bias and never an o_proj bias
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}

@@ -1,0 +1,103 @@
+"""Token sampling on rank 0 from full-vocabulary float32 logits.
+
+Order (as vLLM): penalties -> min_tokens mask -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> a draw. A seeded sequence draws from a generator keyed by
+(seed, output position), so its tokens do not depend on what else is in the batch,
+nor on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from nvllm.common.protocol import WorkerSampling
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    params: WorkerSampling
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+
+
+def _apply_penalties(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
+    p = req.params
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = [t for t in req.token_ids[req.num_prompt_tokens:] if t < vocab]
+        if out:
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).float()
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return row
+
+
+def _filter(row: torch.Tensor, p: WorkerSampling) -> torch.Tensor:
+    if p.top_k > 0 and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(row, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > p.top_p  # keep the token crossing top_p
+        row = row.clone()
+        row[idx[drop]] = float("-inf")
+    if p.min_p > 0.0:
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return row
+
+
+def _generator(seed: int, position: int) -> torch.Generator:
+    key = xxhash.xxh64_intdigest(f"{seed}:{position}".encode()) & (2**63 - 1)
+    return torch.Generator().manual_seed(key)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]):
+        """Returns (token ids, logprobs per row or None)."""
+        raw = logits
+        logits = logits.clone()
+        tokens: list[int] = []
+        for i, req in enumerate(reqs):
+            p = req.params
+            row = logits[i]
+            row = _apply_penalties(row, req)
+            n_out = len(req.token_ids) - req.num_prompt_tokens
+            if n_out < p.min_tokens and p.stop_token_ids:
+                ids = [t for t in p.stop_token_ids if t < row.shape[0]]
+                row[ids] = float("-inf")
+            if p.temperature == 0:
+                tokens.append(int(torch.argmax(row)))
+                continue
+            row = _filter(row / p.temperature, p)
+            probs = row.softmax(-1)
+            gen = self.generator if p.seed is None else _generator(p.seed, n_out)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+            q = torch.empty_like(probs).exponential_(generator=gen)
+            tokens.append(int(torch.argmax(probs / q)))
+        logprobs = None
+        if any(r.params.logprobs is not None for r in reqs):
+            lp = torch.log_softmax(raw, dim=-1)
+            logprobs = []
+            for i, req in enumerate(reqs):
+                k = req.params.logprobs
+                if k is None:
+                    logprobs.append(None)
+                    continue
+                top = torch.topk(lp[i], k) if k > 0 else None
+                pairs = [] if top is None else [[int(t), float(v)] for v, t in
+                                                zip(top.values.tolist(), top.indices.tolist())]
+                logprobs.append([float(lp[i, tokens[i]]), pairs])
+        return tokens, logprobs
