@@ -1,0 +1,111 @@
+"""``nvllm-launch``: start the leader and N tensor-parallel workers.
+
+With ``--prompt`` (repeatable) or ``--demo`` it generates, prints the text and the
+throughput, and exits; otherwise it holds the engine up until interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import click
+
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "A tensor-parallel inference engine splits every layer",
+    "List three prime numbers:",
+]
+
+
+def resolve_model(model: str) -> str:
+    """A path, or ``tiny:NAME`` for a built-in tiny checkpoint (built on first use)."""
+    if model.startswith("tiny:"):
+        from nvllm.launch.tiny import ensure_tiny_checkpoint
+
+        return str(ensure_tiny_checkpoint(model[len("tiny:"):]))
+    return model
+
+
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--model", required=True,
+              help="HF-format checkpoint folder, or tiny:NAME (e.g. tiny:qwen3) for a "
+                   "built-in random checkpoint.")
+@click.option("--tp", "--tensor-parallel-size", "tp", default=1, type=int,
+              help="Number of tensor-parallel worker processes.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto")
+@click.option("--block-size", default=16, type=int, help="Tokens per KV block.")
+@click.option("--max-num-seqs", default=256, type=int)
+@click.option("--max-num-batched-tokens", default=2048, type=int)
+@click.option("--max-model-len", default=None, type=int)
+@click.option("--num-kv-blocks", default=None, type=int,
+              help="Override the KV capacity computed from memory.")
+@click.option("--gpu-memory-utilization", default=0.9, type=float)
+@click.option("--cpu-kv-cache-gib", default=1.0, type=float,
+              help="KV-cache budget per worker on CPU.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True)
+@click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
+              default="auto")
+@click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
+@click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
+@click.option("--max-tokens", default=32, type=int)
+@click.option("--temperature", default=0.0, type=float)
+@click.option("--log-level", default="INFO",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
+           max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
+           enable_prefix_caching, attention_backend, prompts, demo, max_tokens, temperature,
+           log_level) -> None:
+    """Start an nvllm engine: one leader (this process) and TP worker processes."""
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
+    from nvllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(resolve_model(model), tensor_parallel_size=tp, device=device, dtype=dtype,
+              block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+              gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
+              attention_backend=attention_backend)
+    with llm:
+        cfg = llm.config
+        click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} tp={tp} "
+                   f"device={cfg.device} dtype={cfg.dtype} workers={llm.worker_pids}")
+        prompts = list(prompts) or (DEMO_PROMPTS if demo else [])
+        if prompts:
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            dt = time.perf_counter() - t1
+            for out in outs:
+                click.echo(f"\n--- {out.prompt!r}")
+                if out.error:
+                    click.echo(f"[error] {out.error}")
+                else:
+                    click.echo(f"{out.text!r}  ({len(out.token_ids)} tokens, "
+                               f"{out.finish_reason})")
+            n_out = sum(len(o.token_ids) for o in outs)
+            n_in = sum(len(o.prompt_token_ids) for o in outs)
+            click.echo(f"\n{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in "
+                       f"{dt:.2f}s: {n_out / dt:.1f} output tok/s, "
+                       f"{(n_in + n_out) / dt:.1f} total tok/s")
+            return
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        click.echo("serving; Ctrl-C to stop")
+        while not stop.wait(0.5):
+            dead = llm._workers.liveness() if llm._workers else None
+            if dead:
+                raise click.ClickException(dead)
+        click.echo("shutting down")
+
+
+if __name__ == "__main__":
+    launch()

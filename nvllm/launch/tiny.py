@@ -1,0 +1,477 @@
+"""Deterministic tiny random HF-format checkpoints for tests, demos and benchmarks.
+
+A tiny checkpoint is a complete Hugging Face model directory (``config.json``,
+``generation_config.json``, ``model.safetensors`` or a sharded index, ``tokenizer.json``,
+``tokenizer_config.json``) holding a few hundred KB of random weights.  Because HF
+``transformers`` can load it, it doubles as the correctness oracle: tests decode greedily
+with our engine and with ``AutoModelForCausalLM.generate(do_sample=False)`` and compare
+token for token.
+
+Two properties matter for that use and drive most of the choices below:
+
+* Determinism: the same arguments give byte-identical safetensors files, in any process.
+* Decisive logits: with HF's default init (std 0.02) the logits of a random model are
+  nearly flat, so the top-2 logits are often within float32 rounding of each other and a
+  token-for-token comparison becomes flaky.  :func:`_init_weights` uses a larger scale so
+  the top-1/top-2 gap is comfortably above kernel-level numeric noise.
+
+Usage::
+
+    python -m nvllm.launch.tiny --preset qwen3 --out /tmp/tiny
+    python -m nvllm.launch.tiny --all
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+import zlib
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+# Llama-3 style frequency-dependent RoPE scaling.  original_max_position_embeddings is kept
+# below max_position_embeddings (1024) so the scaling actually changes the low frequencies.
+LLAMA3_ROPE_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+# name -> kwargs for make_tiny_checkpoint.  Each preset exercises one loader / sharding path
+# of the engine while staying < ~1 MB so building one takes well under a second.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama"},
+    "llama3": {
+        "arch": "llama",
+        "rope_scaling": LLAMA3_ROPE_SCALING,
+        "tie_word_embeddings": True,
+    },
+    "mistral": {"arch": "mistral"},
+    # Qwen2 always has q/k/v bias; the biases are randomised so that dropping them is caught.
+    "qwen2": {"arch": "qwen2"},
+    # head_dim * num_heads (128) != hidden_size (64): catches code deriving head_dim.
+    "qwen3": {"arch": "qwen3", "head_dim": 32},
+    # Odd vocab: the vocab-parallel embedding / lm_head must pad or split unevenly.
+    "qwen3-odd-vocab": {"arch": "qwen3", "head_dim": 32, "vocab_size": 1031},
+    # One KV head: with TP=2 the KV head must be replicated instead of split.
+    "llama-1kv": {"arch": "llama", "num_key_value_heads": 1},
+    "qwen3-bf16": {"arch": "qwen3", "head_dim": 32, "dtype": "bfloat16"},
+    # ~100 KB shards -> several model-0000x-of-0000y.safetensors + index.json.
+    "qwen3-sharded": {"arch": "qwen3", "head_dim": 32, "shard_size": "100KB"},
+}
+
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# Trained first, so they get ids 0, 1, 2 in this order.
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
+
+# The tokenizer never has more entries than this, so even with the default vocab_size=1024
+# a few model ids (>= len(tokenizer)) have no token; see _build_tokenizer for how they decode.
+_MAX_TOKENIZER_VOCAB = 1000
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Fixed, original training text for the BPE merges.  It only needs to be ordinary English so
+# that common words become single tokens and prompts tokenize to realistic lengths.  Changing
+# it changes every tiny checkpoint's tokenizer, so leave it alone.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small model can still be a useful tool when
+the goal is to test the plumbing of an inference engine rather than the quality of its text.
+Every request arrives with a prompt, a sampling configuration and a limit on the number of new
+tokens. The scheduler decides which requests run in the next step, the workers compute the
+attention and the feed forward layers, and the sampler picks the next token for each sequence.
+When a sequence produces the end of text token or reaches its limit, it is finished and its
+memory is returned to the pool.
+
+Once upon a time there was a little town by the sea. The people of the town were fishermen,
+bakers, teachers and sailors. In the morning the bakers opened their shops and the smell of
+fresh bread filled the streets. Children walked to school, and the old lighthouse keeper
+climbed the stairs to clean the great lamp. In the evening the boats came back to the harbor,
+and the families sat together to eat, to talk and to tell stories about the day.
+
+Water boils at one hundred degrees Celsius at sea level. The sun is a star, and the earth
+travels around it once every year. The moon reflects the light of the sun and changes its shape
+during the month. Plants use sunlight, water and air to make sugar, and they give off oxygen.
+Animals eat plants or other animals, and the energy moves through the food chain. Rivers carry
+water from the mountains to the ocean, where it rises again as clouds and falls as rain.
+
+What is your name? Where do you live? How many people are in your family? Please tell me about
+your favorite book, your favorite song and the place you would most like to visit. I would like
+to learn a new language this year. She said that the meeting will start at nine o'clock and end
+before noon. They have been working on the project for three months, and they expect to finish
+it next week. We should write the report today, because tomorrow is a holiday.
+
+A computer stores numbers as bits. Eight bits make a byte, and a byte can hold a value between
+zero and two hundred fifty five. Programs read input, process data and write output. A function
+takes arguments and returns a result. A list keeps items in order, and a dictionary maps keys to
+values. Memory is fast but small, while disks are large but slow. Networks connect machines so
+they can send messages to each other. A good test checks one thing, runs quickly and gives the
+same answer every time it runs.
+
+The history of science is full of careful observation and patient work. Early astronomers
+watched the night sky and recorded the positions of the planets. Later, physicists described
+motion with simple laws, and chemists learned how elements combine to form new substances.
+Doctors discovered that tiny living things can cause disease, and that clean water and soap
+save many lives. Today, researchers share their results in journals and at conferences, and
+other scientists try to repeat the experiments to see whether the results hold.
+
+In the kitchen, mix two cups of flour with a spoon of salt and a cup of warm water. Knead the
+dough for ten minutes, cover it and let it rest for an hour. Then shape the bread, put it in a
+hot oven and bake it until the crust is golden and the loaf sounds hollow when you tap it.
+Serve it with butter, cheese, honey or soup. Good food is simple food made with care.
+
+The weather today is cold and windy, with a chance of rain in the afternoon. Tomorrow will be
+warmer and sunny, with light winds from the south. On the weekend, the temperature will rise
+again, and many people will go to the park, the beach or the mountains. Remember to bring water,
+a hat and a jacket, because the weather can change quickly in the spring.
+
+Question: What is two plus three? Answer: Two plus three is five.
+Question: What color is the sky on a clear day? Answer: The sky is blue on a clear day.
+Question: Which animal is known as the king of the jungle? Answer: The lion.
+Question: How many days are there in a week? Answer: There are seven days in a week.
+User: Can you help me plan a short trip? Assistant: Of course! Where would you like to go, and
+how many days do you have? I can suggest places to stay, things to see and food to try.
+"""
+
+
+def _build_tokenizer(model_vocab_size: int, model_max_length: int):
+    """Byte-level BPE trained on _CORPUS, wrapped as a PreTrainedTokenizerFast.
+
+    Byte-level means every UTF-8 string round-trips through encode/decode, including
+    multibyte text the corpus never contained (it falls back to single-byte tokens).
+
+    Ids that exist in the model (< vocab_size) but not in the tokenizer (>= len(tokenizer))
+    can be produced by a random model.  ``tokenizer.decode`` does not raise on them: the Rust
+    decoder looks each id up, finds no token and silently drops it, so such ids decode to ""
+    (and ``convert_ids_to_tokens`` returns None for them).  Detokenizers must therefore
+    tolerate ids that contribute no text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    target = min(_MAX_TOKENIZER_VOCAB, model_vocab_size)
+    # 256 byte symbols + the specials are the irreducible minimum of a byte-level BPE.
+    floor = 256 + len(SPECIAL_TOKENS)
+    if target < floor:
+        raise ValueError(f"vocab_size must be >= {floor} for a byte-level tokenizer")
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False keeps encode(decode(x)) == x for text without a leading space.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=target,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # One "document" per line; the BPE trainer's merge order is fully determined by pair
+    # counts with a deterministic tie-break, so the result is identical across processes.
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    assert tok.get_vocab_size() <= model_vocab_size
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHATML_TEMPLATE,
+        # The default cleanup rewrites " ." -> "." etc. and would break round trips.
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def _config_class(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }[arch]
+
+
+def _param_generator(seed: int, arch: str, name: str) -> torch.Generator:
+    # One generator per parameter, keyed by (seed, arch, name), so a parameter's values depend
+    # only on those and its shape: changing tie_word_embeddings, the vocab size (rows are
+    # appended) or the dtype does not reshuffle the other tensors, while llama and qwen2,
+    # which share parameter names, still get independent weights.  crc32 is stable across
+    # processes (unlike hash()).
+    g = torch.Generator()
+    g.manual_seed((seed * 0x9E3779B1 + zlib.crc32(f"{arch}/{name}".encode())) % (2**63))
+    return g
+
+
+# Initialization scales, see _init_weights.  Changing any of them changes every checkpoint.
+_EMBED_STD = 1.0  # embed_tokens and lm_head
+_BIAS_STD = 0.2  # q/k/v biases (qwen2)
+_QK_GAIN = 1.0
+_RESIDUAL_GAIN = 10.0  # extra gain on o_proj / down_proj (the writes into the residual stream)
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, arch: str, seed: int) -> None:
+    """Overwrite every parameter with a deterministic, deliberately "loud" initialization.
+
+    Why not HF's default (all matrices N(0, 0.02), norms 1, biases 0):
+
+    * Flat logits.  With std 0.02 the logits have std ~0.15, so the gap between the best and
+      second-best token is often < 1e-4, close to the noise between different kernels.
+      Here embeddings and lm_head are N(0, 1), so after the final RMSNorm the logits have
+      std ~sqrt(hidden); measured over 640 greedy steps per preset the top-1/top-2 gap has
+      a median ~2, 1st percentile ~2e-2 and minimum ~1e-3 (float32).
+    * Degenerate text.  If the residual stream is dominated by the current token's
+      embedding, a tied-embedding model's argmax is the input token itself and greedy
+      decoding repeats it forever (seen with gain 1-6 for the llama3 preset).  Other matrices
+      are N(0, 1/fan_in), and o_proj / down_proj get an extra _RESIDUAL_GAIN so attention and
+      MLP outputs dominate the residual stream and the next token depends on context.
+    * Untestable weights.  Norm weights of exactly 1 and biases of exactly 0 would let an
+      engine that ignores them pass.  Norm weights are U(0.5, 1.5) and biases
+      N(0, _BIAS_STD); the bias is kept small because a large v bias adds the same vector at
+      every position and pulls all outputs into short cycles.
+    """
+    for name, param in model.named_parameters():
+        g = _param_generator(seed, arch, name)
+        if name.endswith("norm.weight"):
+            # input_layernorm, post_attention_layernorm, q_norm, k_norm, final norm.
+            param.copy_(torch.rand(param.shape, generator=g) + 0.5)
+        elif name.endswith(".bias"):
+            param.copy_(torch.randn(param.shape, generator=g) * _BIAS_STD)
+        elif "embed_tokens" in name or "lm_head" in name:
+            param.copy_(torch.randn(param.shape, generator=g) * _EMBED_STD)
+        elif param.ndim == 2:
+            fan_in = param.shape[1]
+            gain = _RESIDUAL_GAIN if ("o_proj" in name or "down_proj" in name) else 1.0
+            if "q_proj" in name or "k_proj" in name:
+                gain = _QK_GAIN
+            param.copy_(torch.randn(param.shape, generator=g) * (gain / math.sqrt(fan_in)))
+        else:
+            # A new architecture with a parameter kind we have not thought about: fail loudly
+            # rather than silently leaving HF's init in place.
+            raise ValueError(f"no init rule for parameter {name} {tuple(param.shape)}")
+
+
+def _rope_kwargs(rope_scaling: dict | None) -> dict[str, Any]:
+    # transformers 5 stores RoPE settings as config.rope_parameters (one dict that also holds
+    # rope_theta) and writes that to config.json; transformers 4 uses rope_scaling + a
+    # top-level rope_theta.  Both versions accept the 4.x keyword spelling (5 converts it), so
+    # pass that and let the installed version write its native format.  rope_theta is pinned
+    # so the checkpoint does not depend on a library default.
+    kwargs: dict[str, Any] = {"rope_theta": 10000.0}
+    if rope_scaling is not None:
+        params = dict(rope_scaling)
+        if "type" in params and "rope_type" not in params:  # legacy spelling of the key
+            params["rope_type"] = params.pop("type")
+        kwargs["rope_scaling"] = params
+    return kwargs
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike,
+    arch: str = "qwen3",
+    *,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: str = "float32",
+    shard_size: str | None = None,
+) -> pathlib.Path:
+    """Write a random HF checkpoint plus tokenizer to ``path`` and return it.
+
+    Deterministic: the same arguments produce byte-identical safetensors.  ``path`` is
+    created if needed; existing files with the same names are overwritten.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if arch not in _ARCHS:
+        raise ValueError(f"arch must be one of {_ARCHS}, got {arch!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        # Qwen-style: <|endoftext|> is bos, eos and pad; the tokenizer adds no bos by itself.
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        rms_norm_eps=1e-6,
+        **_rope_kwargs(rope_scaling),
+    )
+    if arch == "qwen3" and head_dim is None:
+        # Qwen3Config defaults head_dim to 128 rather than hidden // heads.
+        head_dim = hidden_size // num_attention_heads
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if arch == "mistral":
+        # No sliding window (as in Mistral v0.2+); the window would be > max positions anyway.
+        kwargs["sliding_window"] = None
+    config = _config_class(arch)(**kwargs)
+    # A tiny model's own hint for readers; weights are not drawn from it (see _init_weights).
+    config.initializer_range = _EMBED_STD / math.sqrt(hidden_size)
+
+    torch.manual_seed(seed)
+    # Build and initialise in float32 whatever the target dtype, so a bf16 checkpoint is
+    # exactly the rounded float32 one for the same seed.
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    _init_weights(model, arch, seed)
+    if tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.eval()
+    if dtype != "float32":
+        model = model.to(_DTYPES[dtype])
+
+    gen = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    model.generation_config = gen
+
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if shard_size is not None:
+        save_kwargs["max_shard_size"] = shard_size
+    with _quiet_transformers():
+        model.save_pretrained(path, **save_kwargs)
+        # save_jinja_files=False keeps the chat template inside tokenizer_config.json, which
+        # is where our engine (and older transformers) look for it.
+        tokenizer.save_pretrained(path, save_jinja_files=False)
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    # save_pretrained draws a "Writing model shards" progress bar and may warn about things
+    # that are intentional here; callers (tests, the CLI) should only see the paths.
+    from transformers.utils import logging as hf_logging
+
+    old_level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old_level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------
+
+
+def _default_root() -> pathlib.Path:
+    env = os.environ.get("NVLLM_TINY_DIR")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path.home() / ".cache" / "nvllm" / "tiny"
+
+
+def ensure_tiny_checkpoint(
+    name: str = "qwen3", root: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """Return ``root/name``, building the preset ``name`` there first if it is missing.
+
+    ``root`` defaults to ``$NVLLM_TINY_DIR`` or ``~/.cache/nvllm/tiny``.  The checkpoint is
+    written to a temporary sibling directory and renamed into place, so concurrent callers
+    (pytest-xdist workers, several ranks) either see a complete checkpoint or none.
+    """
+    if name not in PRESETS:
+        raise KeyError(f"unknown tiny preset {name!r}; choose from {sorted(PRESETS)}")
+    root = pathlib.Path(root) if root is not None else _default_root()
+    target = root / name
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        make_tiny_checkpoint(tmp, **PRESETS[name])
+        try:
+            # rename of a directory is atomic on POSIX and fails if target exists non-empty.
+            os.rename(tmp, target)
+        except OSError:
+            # Lost the race to another process (or a stale empty dir); use theirs if complete.
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m nvllm.launch.tiny",
+        description="Write deterministic tiny random HF checkpoints.",
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--preset", default="qwen3", choices=sorted(PRESETS))
+    group.add_argument("--all", action="store_true", help="build every preset")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="root directory (default: $NVLLM_TINY_DIR or ~/.cache/nvllm/tiny); "
+        "each preset goes to OUT/NAME and is reused if it already exists",
+    )
+    args = parser.parse_args(argv)
+    names = sorted(PRESETS) if args.all else [args.preset]
+    for name in names:
+        print(ensure_tiny_checkpoint(name, args.out))
+
+
+if __name__ == "__main__":
+    main()

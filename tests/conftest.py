@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny checkpoints built once per session in a private folder, and a
+guard that no worker process survives the suite."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_root):
+    """tiny(name) -> path of the built-in tiny checkpoint preset `name`."""
+    from nvllm.launch.tiny import ensure_tiny_checkpoint
+
+    return lambda name: str(ensure_tiny_checkpoint(name, tiny_root))
+
+
+def worker_pids_of(parent: int) -> list[int]:
+    """Live nvllm worker processes whose parent is `parent`."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,args="], capture_output=True,
+                         text=True, check=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid, ppid, stat, args = line.split(None, 3)
+        if int(ppid) == parent and "nvllm.worker.main" in args and not stat.startswith("Z"):
+            pids.append(int(pid))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if "nvllm" in n}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers():
+    before = shm_entries()
+    yield
+    assert worker_pids_of(os.getpid()) == [], "worker processes left after the suite"
+    assert shm_entries() - before == set(), "shared-memory segments left after the suite"
+
+
+class ProcUtils:
+    worker_pids_of = staticmethod(worker_pids_of)
+    pid_alive = staticmethod(pid_alive)
+    shm_entries = staticmethod(shm_entries)
+
+
+@pytest.fixture(scope="session")
+def procs() -> type[ProcUtils]:
+    return ProcUtils

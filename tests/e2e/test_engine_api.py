@@ -1,0 +1,173 @@
+"""The LLM API beyond greedy exactness: seeded sampling, rejections, n > 1, logprobs,
+bf16, and process lifetime (shutdown, parent death, worker death)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nvllm import LLM, SamplingParams
+from nvllm.common.errors import EngineDeadError
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2,
+             block_size=8, max_model_len=256, num_kv_blocks=64) as engine:
+        yield engine
+
+
+def assert_no_blocks_held(llm):
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    target = "The quick brown fox"
+    alone = llm.generate(target, p, use_tqdm=False)[0].token_ids
+    again = llm.generate(target, p, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(["Hello there", target, "Once upon a time in a land far away"],
+                         [others, p, others.clone(seed=7)], use_tqdm=False)[1].token_ids
+    assert alone == again == mixed
+    other_seed = llm.generate(target, p.clone(seed=4321), use_tqdm=False)[0].token_ids
+    assert other_seed != alone
+    assert_no_blocks_held(llm)
+
+
+def test_unseeded_sampling_varies(llm):
+    p = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(["Once upon a time"] * 4, p, use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_rejections_name_the_limit_and_the_rest_proceed(llm):
+    vocab = llm.config.model_info.vocab_size
+    good = "Name a prime number larger than ten."
+    prompts = [
+        list(range(1, 300)),  # longer than max_model_len=256
+        good,
+        [5, 6, vocab + 3],  # outside the vocabulary
+        list(range(1, 250)),  # 249 + max_tokens 16 > 256
+        [],  # empty
+    ]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert [o.finish_reason == "error" for o in outs] == [True, False, True, True, True]
+    assert outs[1].finish_reason in ("stop", "length")
+    assert "prompt has 299 tokens, max_model_len is 256" in outs[0].error
+    assert outs[1].error is None and outs[1].token_ids
+    assert f"token id {vocab + 3}" in outs[2].error and "vocabulary" in outs[2].error
+    assert "exceeds max_model_len 256" in outs[3].error and "max_tokens" in outs[3].error
+    assert "empty" in outs[4].error
+    # The engine keeps serving, and the rejected requests held no blocks.
+    again = llm.generate(good, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert again[0].token_ids == outs[1].token_ids
+    assert_no_blocks_held(llm)
+
+
+def test_request_larger_than_kv_cache_is_rejected(tiny):
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", block_size=8,
+             num_kv_blocks=4) as small:
+        out = small.generate([list(range(1, 40))], SamplingParams(max_tokens=8),
+                             use_tqdm=False)[0]
+        assert "KV cache holds only 32 tokens" in out.error
+        ok = small.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+        assert ok.error is None and len(ok.token_ids) >= 1
+
+
+def test_n_completions_and_logprobs(llm):
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)
+    out = llm.generate("Why is the sky blue?", p, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds seed, seed+1, seed+2
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == 8
+        for tok, lps in zip(c.token_ids, c.logprobs):
+            assert tok in lps and len(lps) <= 3
+            assert all(v <= 0.0 for v in lps.values())
+            assert sum(math.exp(v) for v in lps.values()) <= 1.0 + 1e-5
+    assert_no_blocks_held(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = llm.generate("Once upon a time", base, use_tqdm=False)[0].token_ids
+    stop_at = ref[3]
+    first = ref.index(stop_at)
+    out = llm.generate("Once upon a time", base.clone(stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[:first + 1]
+    # min_tokens masks the stop token until reached.
+    out = llm.generate("Once upon a time",
+                       base.clone(stop_token_ids=[stop_at], min_tokens=first + 2),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) >= first + 2
+    assert stop_at not in out.token_ids[:first + 2]
+
+
+def test_bfloat16_runs_and_tracks_float32(tiny):
+    model = tiny("qwen3-bf16")
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42]]
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model, device="cpu", tensor_parallel_size=2) as bf:
+        assert bf.config.dtype == "bfloat16"
+        outs_bf = bf.generate(prompts, p, use_tqdm=False)
+    with LLM(model, device="cpu", dtype="float32") as fp:
+        outs_fp = fp.generate(prompts, p, use_tqdm=False)
+    for a, b in zip(outs_bf, outs_fp):
+        assert len(a.token_ids) == 8
+        assert a.token_ids[0] == b.token_ids[0]  # same first greedy token
+
+
+def test_shutdown_stops_every_worker(tiny, procs):
+    llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2)
+    pids = llm.worker_pids
+    assert all(procs.pid_alive(p) for p in pids)
+    llm.shutdown()
+    assert not any(procs.pid_alive(p) for p in pids)
+    llm.shutdown()  # idempotent
+
+
+def test_workers_die_with_their_parent(tiny, procs):
+    code = textwrap.dedent(f"""
+        import os, sys
+        from nvllm import LLM
+        llm = LLM({tiny("qwen3")!r}, device="cpu", tensor_parallel_size=2)
+        print(*llm.worker_pids, flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stderr
+    deadline = time.monotonic() + 10
+    while any(procs.pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(procs.pid_alive(p) for p in pids), "workers outlived their parent"
+
+
+def test_worker_death_is_an_error_not_a_hang(tiny, procs):
+    llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2)
+    pids = llm.worker_pids
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=64, ignore_eos=True),
+                         use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    finally:
+        llm.shutdown()
+    assert not any(procs.pid_alive(p) for p in pids)

@@ -1,0 +1,136 @@
+"""The heart of it: greedy output equals HF transformers token for token (float32),
+at tp=1 and tp=2, with prefix caching on and off, with forced chunked prefill and
+forced preemption, and on a second identical batch served from the prefix cache."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from nvllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 24
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, say when you do not "
+          "know, and never invent facts about people, places or numbers. ")
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Why is the sky blue during the day?",
+    "Name a prime number larger than ten.",
+]
+OTHERS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. " * 5,
+    "Once upon a time",
+    "Tensor parallel layers split the weights of every matrix across ranks, and an "
+    "all-reduce joins the partial sums after the row-parallel projection.",
+]
+
+
+@functools.cache
+def prompts_for(model_dir: str) -> tuple[tuple[int, ...], ...]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [SYSTEM + q for q in QUESTIONS] + OTHERS + [SYSTEM + QUESTIONS[0] + " Why?"]
+    return tuple(tuple(tok(t).input_ids) for t in texts)
+
+
+@functools.cache
+def hf_greedy(model_dir: str) -> tuple[tuple[int, ...], ...]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts_for(model_dir):
+            gen = model.generate(torch.tensor([ids]), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
+            outs.append(tuple(gen[0, len(ids):].tolist()))
+    return tuple(outs)
+
+
+def run_engine(model_dir: str, **kwargs) -> tuple[list[list[int]], list[list[int]], LLM]:
+    prompts = [{"prompt_token_ids": list(p)} for p in prompts_for(model_dir)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm = LLM(model_dir, device="cpu", dtype="float32", block_size=8, **kwargs)
+    with llm:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        hits_before = llm.engine.kv.stats.hits
+        second = llm.generate(prompts, params, use_tqdm=False)
+        stats = {
+            "preemptions": llm.engine.scheduler.num_preemptions,
+            "second_batch_hits": llm.engine.kv.stats.hits - hits_before,
+            "free_blocks": llm.engine.kv.num_free_blocks,
+            "num_blocks": llm.engine.kv.num_blocks,
+        }
+    assert all(o.error is None for o in first + second)
+    llm.stats = stats
+    return [o.token_ids for o in first], [o.token_ids for o in second], llm
+
+
+def assert_exact(model_dir: str, got: list[list[int]]) -> None:
+    ref = hf_greedy(model_dir)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g == list(r), f"prompt {i}: engine {g} != HF {list(r)}"
+
+
+# Stress config: budget of 32 tokens forces chunked prefill of the long prompts;
+# 24 blocks of 8 tokens hold only ~two sequences at once, forcing preemption.
+STRESS = dict(enable_prefix_caching=True, max_num_batched_tokens=32, num_kv_blocks=24)
+PLAIN = dict(enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_exact_under_chunking_preemption_and_prefix_hits(tiny, arch, tp):
+    model = tiny(arch)
+    assert max(len(p) for p in prompts_for(model)) > STRESS["max_num_batched_tokens"]
+    first, second, llm = run_engine(model, tensor_parallel_size=tp, **STRESS)
+    assert_exact(model, first)
+    assert_exact(model, second)
+    assert llm.stats["preemptions"] > 0, "the stress config must force preemption"
+    assert llm.stats["second_batch_hits"] > 0, "the second batch must hit the prefix cache"
+    assert llm.stats["free_blocks"] == llm.stats["num_blocks"], "leaked KV blocks"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_exact_without_prefix_caching(tiny, arch, tp):
+    model = tiny(arch)
+    first, second, llm = run_engine(model, tensor_parallel_size=tp, **PLAIN)
+    assert_exact(model, first)
+    assert_exact(model, second)
+    assert llm.stats["second_batch_hits"] == 0
+
+
+@pytest.mark.parametrize("preset,tp", [
+    ("qwen3-odd-vocab", 2),  # vocab 1031: shards padded
+    ("llama-1kv", 2),  # one KV head, two ranks: KV heads replicated
+    ("qwen3-sharded", 2),  # sharded safetensors index
+    ("llama3", 2),  # Llama-3 rope scaling, tied embeddings
+    ("mistral", 1),
+])
+def test_exact_checkpoint_variants(tiny, preset, tp):
+    model = tiny(preset)
+    first, _, _ = run_engine(model, tensor_parallel_size=tp, **STRESS)
+    assert_exact(model, first)
+
+
+def test_string_prompts_match_token_prompts(tiny):
+    from transformers import AutoTokenizer
+
+    model = tiny("qwen3")
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [SYSTEM + q for q in QUESTIONS[:2]] + ["naïve café — 東京"]
+    with LLM(model, device="cpu", dtype="float32") as llm:
+        outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for text, out in zip(texts, outs):
+        assert out.prompt == text
+        assert out.prompt_token_ids == tok(text).input_ids
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+        assert out.finish_reason in ("stop", "length")
