@@ -80,7 +80,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5  # what the sampler treats as greedy
 
     def all_stop_token_ids(self) -> set[int]:
         ids = set(self.stop_token_ids or ())

@@ -15,6 +15,9 @@ import xxhash
 
 from nvllm.common.protocol import WorkerSampling
 
+# Below this, logits / T overflows float32: such temperatures mean greedy (as in vLLM).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(slots=True)
 class SampleRequest:
@@ -78,7 +81,7 @@ class Sampler:
             if n_out < p.min_tokens and p.stop_token_ids:
                 ids = [t for t in p.stop_token_ids if t < row.shape[0]]
                 row[ids] = float("-inf")
-            if p.temperature == 0:
+            if p.temperature < GREEDY_BELOW:
                 tokens.append(int(torch.argmax(row)))
                 continue
             row = _filter(row / p.temperature, p)
