@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -33,6 +36,7 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: list[int]
     torch_dtype: str
+    sliding_window: int | None = None
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike) -> ModelInfo:
@@ -59,6 +63,9 @@ class ModelInfo:
         if eos is None:
             eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        window = cfg.get("sliding_window")
+        if cfg.get("use_sliding_window") is False:  # Qwen2 carries a window it does not use
+            window = None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,6 +77,7 @@ class ModelInfo:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=window,
         )
 
 
@@ -125,6 +133,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is None:
             self.max_model_len = info.max_position_embeddings
+            if info.sliding_window:
+                self.max_model_len = min(self.max_model_len, info.sliding_window)
+        if info.sliding_window and self.max_model_len > info.sliding_window:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's sliding_window "
+                f"{info.sliding_window}; sliding-window attention is not supported, so use "
+                f"max_model_len <= {info.sliding_window}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -133,6 +148,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Each running sequence needs a token of budget per step to make progress.
+            logger.info("max_num_seqs lowered from %d to max_num_batched_tokens=%d",
+                        self.max_num_seqs, self.max_num_batched_tokens)
+            self.max_num_seqs = self.max_num_batched_tokens
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:

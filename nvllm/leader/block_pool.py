@@ -48,6 +48,7 @@ class BlockPool:
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, KVBlock] = {}
+        self._live_entries: set[int] = set()
         self._next_entry_id = 1
 
     @property
@@ -67,7 +68,21 @@ class BlockPool:
         return block
 
     def hash_taken(self, block_hash: bytes) -> bool:
-        return block_hash in self._cached
+        """True if another content holds this hash (drops it first if it is an orphan).
+
+        Evicting a block does not walk its children; a child whose parent entry is gone
+        can never be hit again, so it must not keep the hash from a fresh copy.
+        """
+        block = self._cached.get(block_hash)
+        if block is None:
+            return False
+        if block.parent_entry_id and block.parent_entry_id not in self._live_entries:
+            self._evict(block)
+            if block.ref_cnt == 0:
+                del self._free_cached[block.block_id]
+                self._free_uncached.append(block.block_id)
+            return False
+        return True
 
     def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int],
                  parent_entry_id: int) -> int:
@@ -79,6 +94,7 @@ class BlockPool:
         block.parent_entry_id = parent_entry_id
         block.entry_id = self._next_entry_id
         self._next_entry_id += 1
+        self._live_entries.add(block.entry_id)
         self._cached[block_hash] = block
         return block.entry_id
 
@@ -119,6 +135,7 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            self._live_entries.discard(block.entry_id)
         block.block_hash = None
         block.token_ids = None
         block.entry_id = block.parent_entry_id = 0

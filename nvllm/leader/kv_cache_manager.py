@@ -105,8 +105,9 @@ class KVCacheManager:
         return True
 
     def record_lookup(self, seq: Sequence) -> None:
-        """Count an admission's lookup (tokens queried, tokens hit) in the stats."""
-        if self.enable_prefix_caching:
+        """Count a prompt's lookup (tokens queried, tokens hit) at its first admission;
+        re-admissions after preemption would count generated tokens as prompt."""
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.stats.queries += seq.num_tokens
             self.stats.hits += seq.num_computed_tokens
 
@@ -129,7 +130,7 @@ class KVCacheManager:
                 # keep the cached copy, ours stays an ordinary block.
                 seq.chain_entries.append(existing.entry_id)
             elif self.pool.hash_taken(h):
-                break  # collision with other content: stop caching this sequence
+                break  # a true collision with other content: stop caching this sequence
             else:
                 seq.chain_entries.append(self.pool.register(seq.block_table[i], h, tokens, parent))
             seq.num_cached_blocks += 1

@@ -1,0 +1,86 @@
+"""EngineConfig.finalize: checkpoint facts, defaults, and errors that name the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from nvllm.common.config import EngineConfig
+
+
+@pytest.fixture()
+def qwen3(tiny, tmp_path):
+    """A private copy of the tiny qwen3 checkpoint whose config.json a test may edit."""
+    dst = tmp_path / "m"
+    shutil.copytree(tiny("qwen3"), dst)
+    return dst
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_facts_and_defaults(qwen3):
+    c = EngineConfig(str(qwen3), device="cpu").finalize()
+    info = c.model_info
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert (info.num_attention_heads, info.num_key_value_heads, info.head_dim) == (4, 2, 32)
+    assert info.eos_token_ids == [0]
+    assert c.max_model_len == info.max_position_embeddings
+    assert c.dtype == "float32"
+
+
+def test_missing_checkpoint_says_no_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not download"):
+        EngineConfig(str(tmp_path)).finalize()
+
+
+def test_unsupported_architecture(qwen3):
+    edit_config(qwen3, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="not supported"):
+        EngineConfig(str(qwen3), device="cpu").finalize()
+
+
+@pytest.mark.parametrize("tp,match", [(3, "num_attention_heads=4 is not divisible"),
+                                      (0, "tensor_parallel_size must be >= 1")])
+def test_tp_must_divide_heads(qwen3, tp, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(str(qwen3), device="cpu", tensor_parallel_size=tp).finalize()
+
+
+def test_kv_heads_and_tp_must_nest(qwen3):
+    edit_config(qwen3, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        EngineConfig(str(qwen3), device="cpu", tensor_parallel_size=2).finalize()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("block_size", 12, "power of two"),
+    ("dtype", "int8", "dtype must be"),
+    ("device", "tpu", "device must be"),
+    ("attention_backend", "flash", "attention_backend"),
+    ("num_kv_blocks", 0, "num_kv_blocks"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+    ("max_model_len", 1, "max_model_len"),
+])
+def test_bad_values_name_the_field(qwen3, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(str(qwen3), **{"device": "cpu", field: value}).finalize()
+
+
+def test_sliding_window_caps_max_model_len(qwen3):
+    edit_config(qwen3, sliding_window=128, use_sliding_window=True)
+    assert EngineConfig(str(qwen3), device="cpu").finalize().max_model_len == 128
+    with pytest.raises(ValueError, match="sliding_window 128"):
+        EngineConfig(str(qwen3), device="cpu", max_model_len=512).finalize()
+    edit_config(qwen3, use_sliding_window=False)
+    assert EngineConfig(str(qwen3), device="cpu").finalize().max_model_len == 1024
+
+
+def test_small_token_budget_caps_max_num_seqs(qwen3):
+    c = EngineConfig(str(qwen3), device="cpu", max_num_batched_tokens=8).finalize()
+    assert c.max_num_seqs == 8
