@@ -56,8 +56,12 @@ class WorkerGroupClient:
                     logger.error("dropping malformed frame from a worker: %s", e)
                     continue
                 if isinstance(msg, protocol.WorkerError):
-                    self.dead = (f"worker rank {msg.rank} failed at step {msg.step_id}: "
-                                 f"{msg.message}\n{msg.traceback}")
+                    error = (f"worker rank {msg.rank} failed at step {msg.step_id}: "
+                             f"{msg.message}\n{msg.traceback}")
+                    # A peer's death surfaces on the survivors as a collective error;
+                    # name the root cause first.
+                    died = self._death_within(0.5)
+                    self.dead = error if died is None else f"{died}; then {error}"
                     raise EngineDeadError(self.dead)
                 return msg
             dead = self.liveness_check()
@@ -67,6 +71,12 @@ class WorkerGroupClient:
             if time.monotonic() > deadline:
                 self.dead = f"no answer from the workers within {timeout_s:.0f} s"
                 raise EngineDeadError(self.dead)
+
+    def _death_within(self, grace_s: float) -> str | None:
+        deadline = time.monotonic() + grace_s
+        while (died := self.liveness_check()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return died
 
     def _check_dead(self) -> None:
         if self.dead is not None:
