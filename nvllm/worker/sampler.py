@@ -30,7 +30,8 @@ def _apply_penalties(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     p = req.params
     vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long)
+        seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long,
+                            device=row.device)
         if seen.numel():
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
@@ -38,7 +39,8 @@ def _apply_penalties(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     if p.presence_penalty or p.frequency_penalty:
         out = [t for t in req.token_ids[req.num_prompt_tokens:] if t < vocab]
         if out:
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long, device=row.device),
+                                    minlength=vocab).float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return row
 
@@ -64,32 +66,31 @@ def _generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(key)
 
 
+def _needs_row_work(req: SampleRequest) -> bool:
+    p = req.params
+    return (p.temperature >= GREEDY_BELOW or p.repetition_penalty != 1.0
+            or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or (p.min_tokens > 0 and len(req.token_ids) - req.num_prompt_tokens < p.min_tokens))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]):
         """Returns (token ids, logprobs per row or None)."""
         raw = logits
-        logits = logits.clone()
-        tokens: list[int] = []
-        for i, req in enumerate(reqs):
-            p = req.params
-            row = logits[i]
-            row = _apply_penalties(row, req)
-            n_out = len(req.token_ids) - req.num_prompt_tokens
-            if n_out < p.min_tokens and p.stop_token_ids:
-                ids = [t for t in p.stop_token_ids if t < row.shape[0]]
-                row[ids] = float("-inf")
-            if p.temperature < GREEDY_BELOW:
-                tokens.append(int(torch.argmax(row)))
-                continue
-            row = _filter(row / p.temperature, p)
-            probs = row.softmax(-1)
-            gen = self.generator if p.seed is None else _generator(p.seed, n_out)
-            # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-            q = torch.empty_like(probs).exponential_(generator=gen)
-            tokens.append(int(torch.argmax(probs / q)))
+        if not any(_needs_row_work(r) for r in reqs):
+            tokens = logits.argmax(dim=-1).tolist()  # all plain greedy: one batched argmax
+        else:
+            tokens = [self._sample_row(logits[i].clone(), req) for i, req in enumerate(reqs)]
         logprobs = None
         if any(r.params.logprobs is not None for r in reqs):
             lp = torch.log_softmax(raw, dim=-1)
@@ -104,3 +105,21 @@ class Sampler:
                                                 zip(top.values.tolist(), top.indices.tolist())]
                 logprobs.append([float(lp[i, tokens[i]]), pairs])
         return tokens, logprobs
+
+    def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
+        p = req.params
+        row = _apply_penalties(row, req)
+        n_out = len(req.token_ids) - req.num_prompt_tokens
+        if n_out < p.min_tokens and p.stop_token_ids:
+            row[[t for t in p.stop_token_ids if t < row.shape[0]]] = float("-inf")
+        if p.temperature < GREEDY_BELOW:
+            return int(torch.argmax(row))
+        probs = _filter(row / p.temperature, p).softmax(-1)
+        if p.seed is None:
+            q = torch.empty_like(probs).exponential_(generator=self._device_generator(row.device))
+        else:
+            # Drawn on the CPU so a seed gives the same tokens on every device.
+            q = torch.empty(probs.shape, dtype=probs.dtype).exponential_(
+                generator=_generator(p.seed, n_out)).to(probs.device)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        return int(torch.argmax(probs / q))

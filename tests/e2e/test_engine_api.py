@@ -171,3 +171,32 @@ def test_worker_death_is_an_error_not_a_hang(tiny, procs):
     finally:
         llm.shutdown()
     assert not any(procs.pid_alive(p) for p in pids)
+
+
+def test_decode_plans_stay_small(llm):
+    """Running sequences travel as deltas: a decode step costs a few bytes per sequence."""
+    from nvllm.common.sampling_params import SamplingParams as SP
+
+    engine = llm.engine
+    for i in range(32):
+        engine.add_request(prompt_token_ids=[7, 8, 9, 10 + i],
+                           params=SP(temperature=0, max_tokens=20, ignore_eos=True))
+    sizes = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        s = engine.last_step
+        if s.num_scheduled_tokens == 32 and s.step_id > 1:  # a pure decode step
+            sizes.append(s.plan_bytes / 32)
+    assert sizes, "expected decode steps with all 32 sequences"
+    assert max(sizes) <= 14, f"decode plan costs {max(sizes):.1f} bytes per sequence"
+    assert_no_blocks_held(llm)
+
+
+def test_two_engines_side_by_side(tiny):
+    """No fixed ports or names: two engines in one process serve independently."""
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2) as a, \
+            LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2) as b:
+        out_a = a.generate("Hello there", p, use_tqdm=False)[0].token_ids
+        out_b = b.generate("Hello there", p, use_tqdm=False)[0].token_ids
+    assert out_a == out_b and len(out_a) == 8
