@@ -1,7 +1,8 @@
 """``nvllm-launch``: start the leader and N tensor-parallel workers.
 
 With ``--prompt`` (repeatable) or ``--demo`` it generates, prints the text and the
-throughput, and exits; otherwise it holds the engine up until interrupted.
+throughput, and exits; otherwise it serves clients on a ZMQ endpoint (``--host``,
+``--port``; see ``nvllm/leader/server.py``) until interrupted.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def resolve_model(model: str) -> str:
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True)
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
               default="auto")
+@click.option("--host", default="127.0.0.1", help="Address of the client endpoint.")
+@click.option("--port", default=0, type=int,
+              help="Port of the client endpoint (0: any free port, printed at start).")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
 @click.option("--max-tokens", default=32, type=int)
@@ -59,8 +63,8 @@ def resolve_model(model: str) -> str:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
-           enable_prefix_caching, attention_backend, prompts, demo, max_tokens, temperature,
-           log_level) -> None:
+           enable_prefix_caching, attention_backend, host, port, prompts, demo, max_tokens,
+           temperature, log_level) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes."""
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
@@ -96,14 +100,17 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
                        f"{dt:.2f}s: {n_out / dt:.1f} output tok/s, "
                        f"{(n_in + n_out) / dt:.1f} total tok/s")
             return
+        from nvllm.leader.server import EngineServer
+
+        server = EngineServer(llm.engine, host, port)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        click.echo("serving; Ctrl-C to stop")
-        while not stop.wait(0.5):
-            dead = llm._workers.liveness() if llm._workers else None
-            if dead:
-                raise click.ClickException(dead)
+        click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
+        try:
+            server.serve(stop)
+        finally:
+            server.close()
         click.echo("shutting down")
 
 

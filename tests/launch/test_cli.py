@@ -29,25 +29,55 @@ def test_launch_generates_and_exits(tiny, procs):
     assert not any(procs.pid_alive(p) for p in pids)
 
 
-def test_launch_serves_until_sigint(tiny, procs):
+def test_launch_serves_clients_until_sigint(tiny, procs):
+    import msgpack
+    import zmq
+
     proc = subprocess.Popen([*LAUNCH, "--model", tiny("qwen3"), "--tp", "2", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
     try:
         lines = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             lines.append(line)
-            if "serving" in line or not line:
+            if "serving on" in line or not line:
                 break
         text = "".join(lines)
-        assert "serving" in text, text
+        endpoint = re.search(r"serving on (tcp://\S+);", text).group(1)
+        assert endpoint.startswith("tcp://127.0.0.1:")
         pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", text).group(1).split(",")]
         assert all(procs.pid_alive(p) for p in pids)
+        sock.connect(endpoint)
+
+        def ask(msg, raw=False):
+            sock.send(msg if raw else msgpack.packb(msg))
+            assert sock.poll(60_000), "no reply from the server"
+            return msgpack.unpackb(sock.recv())
+
+        info = ask({"v": 1, "op": "info"})
+        assert info["ready"] and info["max_model_len"] == 1024
+        assert ask(b"\x93garbage", raw=True)["code"] == "bad_frame"
+        assert ask({"op": "launch_missiles"})["code"] == "bad_op"
+        bad = ask({"op": "generate", "id": "t1", "prompt": "hi",
+                   "params": {"temperature": -1}})
+        assert bad["id"] == "t1" and "temperature" in bad["message"]
+        long = ask({"op": "generate", "id": 2, "prompt_token_ids": [5] * 2000})
+        assert long["code"] == "rejected" and "max_model_len is 1024" in long["message"]
+        out = ask({"op": "generate", "id": "ok", "prompt": "Hello",
+                   "params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}})
+        assert out["op"] == "output" and out["id"] == "ok" and len(out["token_ids"]) == 8
+        assert out["finish_reason"] == "length"
+
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert not any(procs.pid_alive(p) for p in pids)
     finally:
+        sock.close(0)
+        ctx.term()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
