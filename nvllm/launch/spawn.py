@@ -82,6 +82,8 @@ def start_local_workers(config: EngineConfig) -> LocalWorkers:
             spec = dict(base, rank=rank, local_rank=rank,
                         plan_endpoint=client.plan_endpoints[rank])
             env = dict(os.environ, NVLLM_WORKER_SPEC=json.dumps(spec))
+            if config.device == "cpu" and config.attention_backend == "triton":
+                env["TRITON_INTERPRET"] = "1"  # Triton kernels run on CPU only interpreted
             procs.append(subprocess.Popen([sys.executable, "-m", "nvllm.worker.main"], env=env,
                                           stdin=subprocess.DEVNULL))
     except BaseException:

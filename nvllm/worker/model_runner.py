@@ -11,7 +11,8 @@ import torch
 
 from nvllm.common import protocol
 from nvllm.common.config import EngineConfig
-from nvllm.kernels.attention import AttentionMetadata, resolve_backend
+from nvllm.kernels.metadata import AttentionMetadata
+from nvllm.kernels.ops import resolve_backend
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models.llama import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext

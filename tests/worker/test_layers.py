@@ -15,8 +15,9 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from nvllm.kernels import attention as ops
-from nvllm.kernels.attention import AttentionMetadata, paged_attention, store_kvcache
+from nvllm.kernels import ops
+from nvllm.kernels.metadata import AttentionMetadata
+from nvllm.kernels.ops import paged_attention, store_kvcache
 from nvllm.worker.layers.activation import SiluAndMul
 from nvllm.worker.layers.attention import Attention
 from nvllm.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding

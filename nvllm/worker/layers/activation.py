@@ -1,13 +1,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nvllm.kernels import ops
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for the fused gate_up projection output [.., 2 * d]."""
 
+    def __init__(self, backend: str = "torch") -> None:
+        super().__init__()
+        self.backend = backend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ops.silu_and_mul(x, self.backend)

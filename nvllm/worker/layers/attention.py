@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nvllm.kernels import attention as ops
+from nvllm.kernels import ops
+from nvllm.kernels.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -20,6 +21,6 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: ops.AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.backend)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.backend)

@@ -1,26 +1,23 @@
-"""RMSNorm, optionally fused with the residual add (computed in float32 like HF)."""
+"""RMSNorm, optionally fused with the residual add (float32 math, like HF)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from nvllm.kernels import ops
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 backend: str = "torch") -> None:
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return ops.rms_norm(x, self.weight, self.eps, self.backend)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.backend)

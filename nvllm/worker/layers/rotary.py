@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nvllm.kernels import ops
+
 
 def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     rope = (getattr(hf_config, "rope_parameters", None)
@@ -29,24 +31,16 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
-                 attention_scaling: float = 1.0) -> None:
+                 attention_scaling: float = 1.0, backend: str = "torch") -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.backend = backend
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, d], k: [T, kv_heads, d]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        return ops.rotary_embedding(positions, q, k, self.cos, self.sin, self.backend)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nvllm.kernels.attention import AttentionMetadata
+from nvllm.kernels.metadata import AttentionMetadata
 from nvllm.worker.layers.activation import SiluAndMul
 from nvllm.worker.layers.attention import Attention
 from nvllm.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -41,8 +41,8 @@ class DecoderAttention(nn.Module):
                               self.head_dim ** -0.5, backend)
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -61,14 +61,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, backend: str) -> None:
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias, tp, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, tp,
                                            dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -79,9 +79,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, tp, dtype, rotary, backend, qkv_bias, o_bias,
                                           qk_norm)
-        self.mlp = DecoderMLP(cfg, tp, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = DecoderMLP(cfg, tp, dtype, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                backend)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -117,14 +118,14 @@ class LlamaForCausalLM(nn.Module):
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = compute_inv_freq(cfg, head_dim)
-        rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
+        rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, attention_backend)
         qkv_bias, o_bias = self.attention_biases(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, dtype, rotary, attention_backend, qkv_bias, o_bias,
                          self.qk_norm)
             for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, attention_backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
 

@@ -1,0 +1,101 @@
+"""Torch reference twins: each defines what its kernel must compute (and runs anywhere).
+
+Numerics follow HF transformers (RMSNorm in float32, rotary in the input dtype), so the
+engine with these ops matches HF token for token in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nvllm.kernels.metadata import AttentionMetadata
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write K/V [T, kv_heads, d] into the paged cache at slot_mapping; -1 is skipped."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        kc.index_copy_(0, slot_mapping, k)
+        vc.index_copy_(0, slot_mapping, v)
+    else:
+        kc.index_copy_(0, slot_mapping[valid], k[valid])
+        vc.index_copy_(0, slot_mapping[valid], v[valid])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each query run over its sequence's cached context.
+
+    q: [T, heads, d]; query token j of a run of n tokens for a sequence whose context
+    is L tokens sits at position L - n + j and sees keys 0..L - n + j. GQA: query head h
+    reads KV head h // (heads // kv_heads).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    cu = meta.cu_seqlens_q_host
+    for i, ctx in enumerate(meta.seq_lens_host):
+        s, e = cu[i], cu[i + 1]
+        n = e - s
+        if n == 0:
+            continue
+        nblk = -(-ctx // block_size)
+        blocks = meta.block_tables[i, :nblk].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        ki = k.transpose(0, 1).unsqueeze(0)
+        vi = v.transpose(0, 1).unsqueeze(0)
+        if n == 1:
+            o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
+        elif n == ctx:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            pos_q = torch.arange(ctx - n, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[s:e] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), computed in float32 and cast back before the weight (as HF)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is taken in the input dtype."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary. q [T, H, d], k [T, KH, d]; cos/sin caches [max_pos, d] (float32,
+    the two halves equal, any frequency scaling such as Llama-3's already applied)."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [..., 2 * d] holding [gate | up]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
