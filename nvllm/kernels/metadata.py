@@ -30,3 +30,29 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_seqlen_q == 1
+
+
+def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                   block_size: int, device: torch.device | str = "cpu",
+                   ) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for a batch where sequence i computes its last query_lens[i] tokens of a
+    context of context_lens[i] tokens; returns it with the positions of the query tokens.
+    (The model runner builds the same thing incrementally; tests and benchmarks use this.)"""
+    slots: list[int] = []
+    positions: list[int] = []
+    cu = [0]
+    for n, ctx, table in zip(query_lens, context_lens, block_tables):
+        for p in range(ctx - n, ctx):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + n)
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
+        cu_seqlens_q_host=cu, seq_lens_host=list(context_lens))
+    return meta, torch.tensor(positions, dtype=torch.long, device=device)

@@ -11,7 +11,7 @@ import torch
 
 from nvllm.common import protocol
 from nvllm.common.config import EngineConfig
-from nvllm.kernels.metadata import AttentionMetadata
+from nvllm.kernels.metadata import AttentionMetadata, build_metadata
 from nvllm.kernels.ops import resolve_backend
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models.llama import MODEL_REGISTRY
@@ -105,40 +105,23 @@ class ModelRunner:
                                         list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
         sample_rows: list[int] = []
         for _, seq, n in batch:
-            start = seq.num_computed_tokens
-            end = start + n
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if end > len(seq.token_ids) or -(-end // bs) > len(seq.block_table):
                 raise RuntimeError(f"plan asks for tokens {start}..{end} of a sequence with "
                                    f"{len(seq.token_ids)} tokens, {len(seq.block_table)} blocks")
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
+            query_lens.append(n)
+            context_lens.append(end)
             if end == len(seq.token_ids):
-                sample_rows.append(cu[-1] - 1)
-        max_blocks = max(len(s.block_table) for _, s, _ in batch)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for _, s, _ in batch]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
-            max_seqlen_k=max(seq_lens),
-            cu_seqlens_q_host=cu,
-            seq_lens_host=seq_lens,
-        )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+                sample_rows.append(len(input_ids) - 1)
+        meta, positions = build_metadata(query_lens, context_lens,
+                                         [s.block_table for _, s, _ in batch], bs, self.device)
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device), positions, meta,
+                sample_rows)
 
     @torch.inference_mode()
     def execute(self, plan: protocol.StepPlan) -> protocol.StepResult | None:
