@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One command for a session that is lent a GPU (see README "GPU checks"): kernel tests on
+# CUDA, the engine's CUDA exactness tests, and the kernel benchmark; results go to
+# ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json). Budget: < 8 minutes.
+#
+# The GPU image has torch, triton, transformers, msgpack, click, xxhash, pytest but no
+# pyzmq: carry it as a wheel in .whl/ (git-ignored), prepared on the CPU machine with
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl pyzmq
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/nvllm-device}
+mkdir -p "$OUT"
+LOG="$OUT/device_check.log"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
+# The project itself goes on the path as source: no install step, no dependency resolution.
+export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export NVLLM_TINY_DIR=/tmp/nvllm-tiny
+status=0
+run() {  # run NAME TIMEOUT CMD...: log it, keep going, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "=== $name" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc" | tee -a "$LOG"
+  [ "$rc" = 0 ] || status=1
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$LOG"
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -o "addopts=--import-mode=importlib")
+run kernel-tests 150 "${PYTEST[@]}" tests/kernels
+run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
+run bench-kernels 120 python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json"
+echo "device check: $([ $status = 0 ] && echo PASSED || echo FAILED); log in $LOG" | tee -a "$LOG"
+exit $status
