@@ -10,7 +10,8 @@ Numerics, relative to the reference:
 * RMSNorm: float32 variance and scaling, the normalized value rounded to the input dtype
   before the weight multiply (as HF / the reference); the weight product is taken in
   float32 and rounded once, which is exactly what torch does for 16-bit dtypes (the product
-  of two 16-bit floats is exact in float32). Only the order of the sum of squares differs.
+  of two 16-bit floats is exact in float32). Only the order of the sum of squares differs,
+  so outputs agree to an ulp or so (bf16 outputs are in practice bit-identical).
 * fused add: the residual sum is rounded to its dtype before it is normalized and stored,
   as the reference does (float32 add then one rounding gives the correctly rounded 16-bit
   sum, so the stored residual is bit-identical to torch's).
@@ -19,6 +20,8 @@ Numerics, relative to the reference:
   contraction on GPU), in bf16/fp16 this kernel is the more accurate one and they differ
   by about one unit in the last place.
 * SiLU-and-mul: float32 math and one rounding (the reference rounds silu(gate) first).
+* every fp32 -> bf16 rounding is round-to-nearest-even, done by hand (``_cast``) because the
+  Triton interpreter would otherwise truncate.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-# One program holds a whole row in registers; Triton caps a block at 2**20 elements, and
-# far below that a single row would spill. Real hidden sizes are <= 16K.
+# Norm programs hold whole rows in registers. Past ~16K elements a row spills (slower, still
+# correct); past this limit refuse rather than compile a huge block. Real hidden sizes are
+# <= 16K.
 _MAX_ROW_BLOCK = 65536
 # Norms over short rows (per-head q/k norm: head_dim 64-256) pack several rows into one
 # program so each program still moves a reasonable tile (~this many elements).
@@ -71,6 +75,25 @@ def _row_block(d: int) -> int:
     return block
 
 
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """Round fp32 x to dtype to nearest-even, the same on a GPU and in the interpreter.
+
+    GPUs round fp32 -> bf16 to nearest, but the Triton interpreter truncates (and its
+    "rtne" mode does not carry into the exponent), which would bias every bf16 output
+    toward zero on CPU and break the bit-exact residual sum. So bf16 rounds by hand with
+    the usual integer trick (what cvt.rn.bf16.f32 computes); fp16/fp32 casts are already
+    round-to-nearest everywhere. Costs a few integer ops in memory-bound kernels.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x != x, x.to(tl.bfloat16), rounded)  # NaN stays NaN
+    else:
+        return x.to(dtype)
+
+
 # --------------------------------------------------------------------------- RMSNorm
 
 
@@ -105,7 +128,7 @@ def _rms_norm_kernel(
         r = tl.load(r_ptr + r_off, mask=mask, other=0.0)
         # Add in fp32 and round once to the sum's dtype: the reference normalizes the
         # rounded sum, and the rounded sum is the new residual stream.
-        s = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        s = _cast(x.to(tl.float32) + r.to(tl.float32), sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + dense_off, s, mask=mask)
         x = s
 
@@ -116,9 +139,9 @@ def _rms_norm_kernel(
     # keeps fp32 within an ulp or two of torch.rsqrt.
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     # Round the normalized value to the input dtype before the weight, as HF does.
-    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    y = _cast(xf * rstd[:, None], x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    out = (y * w[None, :]).to(out_ptr.dtype.element_ty)
+    out = _cast(y * w[None, :], out_ptr.dtype.element_ty)
     tl.store(out_ptr + dense_off, out, mask=mask)
 
 
@@ -185,8 +208,8 @@ def _rotate_heads(src_ptr, s_t, s_h, dst_ptr, n_heads, tok,
     o1 = x1 * c1[None, :] - x2 * s1[None, :]
     o2 = x2 * c2[None, :] + x1 * s2[None, :]
     dst = dst_ptr + (tok * n_heads + heads[:, None]) * HEAD_DIM + cols[None, :]
-    tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, _cast(o1, dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, _cast(o2, dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -278,7 +301,7 @@ def _silu_and_mul_kernel(x_ptr, x_stride, out_ptr, D, BLOCK: tl.constexpr):
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * D + cols, _cast(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
