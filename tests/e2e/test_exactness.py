@@ -134,3 +134,14 @@ def test_string_prompts_match_token_prompts(tiny):
         assert out.prompt_token_ids == tok(text).input_ids
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
         assert out.finish_reason in ("stop", "length")
+
+
+def test_exact_with_triton_backend(tiny):
+    """Every op through the Triton kernels (on CPU: the workers run them interpreted)."""
+    pytest.importorskip("triton")
+    model = tiny("qwen3")
+    first, second, llm = run_engine(model, tensor_parallel_size=2, attention_backend="triton",
+                                    **STRESS)
+    assert_exact(model, first)
+    assert_exact(model, second)
+    assert llm.stats["preemptions"] > 0 and llm.stats["second_batch_hits"] > 0
