@@ -9,6 +9,14 @@ import subprocess
 
 import pytest
 
+# Triton kernels run on CPU only interpreted, and the switch is read when a kernel module
+# is imported: set it before any test imports triton. A GPU run exports it as 0.
+if not os.environ.get("TRITON_INTERPRET"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> pathlib.Path:
