@@ -7,145 +7,14 @@ only reads blocks holding the KV of exactly its own prefix and only writes block
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
+from leader_sim import BS, Sim, assert_no_leak, make_seq, toks
 
-from nvllm.common.sampling_params import SamplingParams
 from nvllm.leader import block_pool
 from nvllm.leader.kv_cache_manager import KVCacheManager
-from nvllm.leader.scheduler import Scheduler, SchedulerOutput
-from nvllm.leader.sequence import Sequence, SequenceStatus
-
-BS = 4  # block size used throughout
-
+from nvllm.leader.sequence import Sequence
 
 # ---- helpers ------------------------------------------------------------------------------
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def toks(start: int, n: int) -> list[int]:
-    """n distinct token ids starting at start (prompts built from disjoint ranges differ)."""
-    return list(range(start, start + n))
-
-
-def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 1) -> Sequence:
-    return Sequence(seq_id, f"req-{seq_id}", list(prompt), len(prompt),
-                    SamplingParams(max_tokens=max_tokens))
-
-
-def fake_token(seq: Sequence) -> int:
-    """What the fake model samples: deterministic, and never one of the prompt ids above."""
-    return 50_000 + 100 * seq.seq_id + seq.num_output_tokens
-
-
-def assert_no_leak(kv: KVCacheManager) -> None:
-    assert kv.num_free_blocks == kv.num_blocks
-    assert [b.block_id for b in kv.pool.blocks if b.ref_cnt != 0] == []
-
-
-class Sim:
-    """Scheduler + KVCacheManager driven like LLMEngine.step, without a model.
-
-    ``kv_content`` is an oracle: block id -> the token prefix whose KV the block holds
-    (what a real model would have written there).
-    """
-
-    def __init__(self, num_blocks: int = 64, *, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True):
-        self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching)
-        self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len=4096)
-        self.seqs: list[Sequence] = []
-        self.kv_content: dict[int, tuple[int, ...]] = {}
-        self.admitted: list[tuple[Sequence, int]] = []  # (seq, tokens hit) per admission
-        self.last_table: dict[int, list[int]] = {}  # seq id -> its block table at finish
-        self._ids = itertools.count()
-
-    def add(self, prompt: list[int], max_tokens: int = 1) -> Sequence:
-        seq = make_seq(next(self._ids), prompt, max_tokens)
-        self.seqs.append(seq)
-        self.sched.add(seq)
-        return seq
-
-    def step(self) -> SchedulerOutput:
-        waiting = {s.seq_id for s in self.sched.waiting}
-        out = self.sched.schedule()
-        for seq, n in out.scheduled:
-            if seq.seq_id in waiting:
-                self.admitted.append((seq, seq.num_computed_tokens))
-            self._check_reads_and_writes(seq, n)
-        for seq, n in out.scheduled:  # what LLMEngine._apply_result does
-            seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(fake_token(seq))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self.last_table[seq.seq_id] = list(seq.block_table)
-                    self.sched.finish(seq, "length")
-        self.check_ref_counts()
-        return out
-
-    def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
-        outs = []
-        while self.sched.num_unfinished:
-            assert len(outs) < max_steps, "no progress"
-            outs.append(self.step())
-            assert not outs[-1].is_empty, "scheduler made no progress with requests pending"
-        return outs
-
-    def table_of(self, seq: Sequence) -> list[int]:
-        """Block table of a running seq, or the one a finished seq had."""
-        return seq.block_table if not seq.is_finished else self.last_table[seq.seq_id]
-
-    def hits_of(self, seq: Sequence) -> list[int]:
-        return [hit for s, hit in self.admitted if s is seq]
-
-    def _check_reads_and_writes(self, seq: Sequence, n: int) -> None:
-        done, table = seq.num_computed_tokens, seq.block_table
-        assert n >= 1 and done + n <= seq.num_tokens
-        assert len(table) * BS >= done + n, "no slot for a scheduled token"
-        for i in range(cdiv(done, BS)):  # reads: the KV of exactly our own prefix
-            want = tuple(seq.token_ids[:min((i + 1) * BS, done)])
-            assert self.kv_content.get(table[i]) == want, f"seq {seq.seq_id} reads wrong KV"
-        for i in range(done // BS, cdiv(done + n, BS)):  # writes: only into our own blocks
-            block = self.kv.pool.blocks[table[i]]
-            assert block.ref_cnt == 1 and block.block_hash is None, "write into a shared block"
-            self.kv_content[table[i]] = tuple(seq.token_ids[:min((i + 1) * BS, done + n)])
-
-    def check_ref_counts(self) -> None:
-        users = [0] * self.kv.num_blocks
-        for seq in self.seqs:
-            if seq.status is not SequenceStatus.RUNNING:
-                assert seq.block_table == []
-            assert len(set(seq.block_table)) == len(seq.block_table)
-            for b in seq.block_table:
-                users[b] += 1
-        assert [b.ref_cnt for b in self.kv.pool.blocks] == users
-        assert self.kv.num_free_blocks == users.count(0)
-
-    def drain(self) -> None:
-        """Abort whatever is left (what a user's abort would do)."""
-        for seq in list(self.sched.waiting) + list(self.sched.running):
-            self.sched.finish(seq, "abort")
-
-
-@pytest.fixture
-def make_sim():
-    """Sim factory; after the test every sequence is aborted and no block may be held."""
-    sims: list[Sim] = []
-
-    def factory(*args, **kwargs) -> Sim:
-        sims.append(Sim(*args, **kwargs))
-        return sims[-1]
-
-    yield factory
-    for sim in sims:
-        sim.drain()
-        sim.check_ref_counts()
-        assert_no_leak(sim.kv)
 
 
 def compute(kv: KVCacheManager, seq: Sequence, n: int) -> None:

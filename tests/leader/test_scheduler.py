@@ -9,153 +9,15 @@ reads only KV of its own prefix and writes only blocks it owns.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
+from leader_sim import Sim, assert_no_leak, toks
 
-from nvllm.common.sampling_params import SamplingParams
-from nvllm.leader.kv_cache_manager import KVCacheManager
-from nvllm.leader.scheduler import Scheduler, SchedulerOutput
+from nvllm.leader.scheduler import SchedulerOutput
 from nvllm.leader.sequence import Sequence, SequenceStatus
 
-BS = 4  # block size used throughout
-
-
 # ---- helpers ------------------------------------------------------------------------------
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def toks(start: int, n: int) -> list[int]:
-    """n distinct token ids starting at start (prompts built from disjoint ranges differ)."""
-    return list(range(start, start + n))
-
-
-def fake_token(seq: Sequence) -> int:
-    """What the fake model samples: deterministic, and never one of the prompt ids above."""
-    return 50_000 + 100 * seq.seq_id + seq.num_output_tokens
-
-
-def assert_no_leak(kv: KVCacheManager) -> None:
-    assert kv.num_free_blocks == kv.num_blocks
-    assert [b.block_id for b in kv.pool.blocks if b.ref_cnt != 0] == []
-
-
-class Sim:
-    """Scheduler + KVCacheManager driven like LLMEngine.step, without a model.
-
-    ``kv_content`` is an oracle: block id -> the token prefix whose KV the block holds.
-    """
-
-    def __init__(self, num_blocks: int = 64, *, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True):
-        self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching)
-        self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len=4096)
-        self.seqs: list[Sequence] = []
-        self.kv_content: dict[int, tuple[int, ...]] = {}
-        self.admitted: list[tuple[Sequence, int]] = []  # (seq, tokens hit) per admission
-        self.outs: list[SchedulerOutput] = []
-        self._ids = itertools.count()
-
-    def add(self, prompt: list[int], max_tokens: int = 1) -> Sequence:
-        seq = Sequence(next(self._ids), "req", list(prompt), len(prompt),
-                       SamplingParams(max_tokens=max_tokens))
-        self.seqs.append(seq)
-        self.sched.add(seq)
-        return seq
-
-    def step(self) -> SchedulerOutput:
-        sched = self.sched
-        running_before = list(sched.running)
-        waiting_before = {s.seq_id for s in sched.waiting}
-        out = sched.schedule()
-        self._check_contract(out, running_before, waiting_before)
-        for seq, n in out.scheduled:
-            if seq.seq_id in waiting_before:
-                self.admitted.append((seq, seq.num_computed_tokens))
-            self._check_reads_and_writes(seq, n)
-        for seq, n in out.scheduled:  # what LLMEngine._apply_result does
-            seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(fake_token(seq))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sched.finish(seq, "length")
-        self._check_ref_counts()
-        self.outs.append(out)
-        return out
-
-    def run(self, max_steps: int = 2000) -> None:
-        for _ in range(max_steps):
-            if not self.sched.num_unfinished:
-                return
-            assert not self.step().is_empty, "scheduler made no progress with requests pending"
-        raise AssertionError("did not finish")
-
-    def hits_of(self, seq: Sequence) -> list[int]:
-        return [hit for s, hit in self.admitted if s is seq]
-
-    def _check_contract(self, out: SchedulerOutput, running_before: list[Sequence],
-                        waiting_before: set[int]) -> None:
-        sched = self.sched
-        ids = [s.seq_id for s, _ in out.scheduled]
-        assert len(ids) == len(set(ids)), "a seq scheduled twice in one step"
-        assert out.num_batched_tokens <= sched.max_num_batched_tokens
-        assert len(sched.running) <= sched.max_num_seqs
-        # Victims come off the most recently admitted end of the running list.
-        assert out.preempted == running_before[::-1][:len(out.preempted)]
-        for victim in out.preempted:
-            assert victim.status is SequenceStatus.WAITING and victim.block_table == []
-            assert victim.num_computed_tokens == 0
-        # Running seqs are served first, in admission order; then new admissions.
-        still = [s for s in running_before if s not in out.preempted]
-        n_old = sum(1 for s, _ in out.scheduled if s.seq_id not in waiting_before)
-        assert [s for s, _ in out.scheduled[:n_old]] == still[:n_old]
-        if n_old < len(out.scheduled):  # admissions only after every running seq got a turn
-            assert n_old == len(still) and not out.preempted
-        assert sched.running == still + [s for s, _ in out.scheduled[n_old:]]
-
-    def _check_reads_and_writes(self, seq: Sequence, n: int) -> None:
-        done, table = seq.num_computed_tokens, seq.block_table
-        assert n >= 1 and done + n <= seq.num_tokens
-        assert len(table) * BS >= done + n, "no slot for a scheduled token"
-        for i in range(cdiv(done, BS)):  # reads: the KV of exactly our own prefix
-            want = tuple(seq.token_ids[:min((i + 1) * BS, done)])
-            assert self.kv_content.get(table[i]) == want, f"seq {seq.seq_id} reads wrong KV"
-        for i in range(done // BS, cdiv(done + n, BS)):  # writes: only into our own blocks
-            block = self.kv.pool.blocks[table[i]]
-            assert block.ref_cnt == 1 and block.block_hash is None, "write into a shared block"
-            self.kv_content[table[i]] = tuple(seq.token_ids[:min((i + 1) * BS, done + n)])
-
-    def _check_ref_counts(self) -> None:
-        users = [0] * self.kv.num_blocks
-        for seq in self.seqs:
-            if seq.status is not SequenceStatus.RUNNING:
-                assert seq.block_table == []
-            for b in seq.block_table:
-                users[b] += 1
-        assert [b.ref_cnt for b in self.kv.pool.blocks] == users
-        assert self.kv.num_free_blocks == users.count(0)
-
-
-@pytest.fixture
-def make_sim():
-    """Sim factory; after the test every sequence is aborted and no block may be held."""
-    sims: list[Sim] = []
-
-    def factory(*args, **kwargs) -> Sim:
-        sims.append(Sim(*args, **kwargs))
-        return sims[-1]
-
-    yield factory
-    for sim in sims:
-        for seq in list(sim.sched.waiting) + list(sim.sched.running):
-            sim.sched.finish(seq, "abort")
-        sim._check_ref_counts()
-        assert_no_leak(sim.kv)
 
 
 def scheduled(out: SchedulerOutput) -> list[tuple[int, int]]:
