@@ -95,7 +95,7 @@ class LLM:
         pending = sum(1 for rid in order if rid not in results)
         with tqdm(total=pending, desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step().finished:
                     results[out.request_id] = out
                     bar.update(1)
         return [results[rid] for rid in order]

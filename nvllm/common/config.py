@@ -97,6 +97,10 @@ class EngineConfig:
     cpu_kv_cache_gib: float = DEFAULT_CPU_KV_CACHE_GIB
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     seed: int = 0
+    max_queued_requests: int | None = None  # beyond it, submissions are refused at once
+    batch_timeout_ms: float = 0.0  # idle engine: wait this long for more arrivals
+    client_timeout_s: float = 10.0  # a silent client's requests are aborted after this
+    log_stats_interval_s: float = 5.0
     worker_start_timeout_s: float = 300.0
     step_timeout_s: float = 600.0
     model_info: ModelInfo | None = field(default=None, repr=False)
@@ -157,6 +161,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.batch_timeout_ms < 0:
+            raise ValueError("batch_timeout_ms must be >= 0")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

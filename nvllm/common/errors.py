@@ -15,3 +15,7 @@ class EngineDeadError(NvllmError, RuntimeError):
 
 class ProtocolError(NvllmError, ValueError):
     """A message that does not decode to a known, well-formed message."""
+
+
+class Overloaded(RequestRejected):
+    """Too many requests are waiting (max_queued_requests); try again later."""

@@ -25,6 +25,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    stop: list[str] | None = None  # stop strings: the text ends before the first one found
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Filled by the engine from the checkpoint's generation config, not by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -74,6 +77,16 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(
+                    isinstance(x, str) and x for x in self.stop):
+                raise bad("stop", "must be a string or a list of non-empty strings")
+            self.stop = list(self.stop)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
         lp = self.logprobs
         if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 
 from nvllm.common import protocol
 from nvllm.common.config import EngineConfig
-from nvllm.common.errors import EngineDeadError, RequestRejected
+from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.outputs import CompletionOutput, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.leader.detokenizer import IncrementalDetokenizer
 from nvllm.leader.executor import WorkerGroupClient
 from nvllm.leader.kv_cache_manager import KVCacheManager
+from nvllm.leader.metrics import EngineMetrics
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
 from nvllm.leader.sequence import Sequence
 
@@ -29,10 +31,34 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     num_cached_tokens: int = 0
+    priority: int = 0
+    deadline: float | None = None  # monotonic time after which it ends with "timeout"
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one step added to one completion: only the new tokens and text."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list | None
+    finish_reason: str | None
+    usage: dict | None = None  # on the last delta of a completion
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    deltas: list[CompletionDelta] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)  # whole requests
 
 
 @dataclass(slots=True)
@@ -78,6 +104,8 @@ class LLMEngine:
         self._step_ids = itertools.count(1)
         self._pending_drops: list[int] = []
         self.last_step = StepStats()
+        self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
+        self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -107,9 +135,19 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> Request:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0,
+                    ttl_ms: float | None = None) -> Request:
         """Admit a request, or raise RequestRejected saying which limit it breaks."""
         params = params or SamplingParams()
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise Overloaded(f"overloaded: {len(self.scheduler.waiting)} requests are already "
+                             f"waiting (max_queued_requests={limit}); retry later")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestRejected(f"priority must be an integer, got {priority!r}")
+        if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
+                                   or isinstance(ttl_ms, bool) or ttl_ms <= 0):
+            raise RequestRejected(f"ttl_ms must be a positive number, got {ttl_ms!r}")
         if request_id is None:
             request_id = str(next(self._request_ids))
         if request_id in self.requests:
@@ -126,12 +164,22 @@ class LLMEngine:
                 prompt_token_ids = prompt
         ids = self._validate(prompt_token_ids, params)
         params = params.clone(eos_token_ids=self.eos_token_ids)
-        req = Request(request_id, text, ids, params)
+        if params.stop and self.tokenizer is None:
+            raise RequestRejected("stop strings need a tokenizer (the engine has none)")
+        req = Request(request_id, text, ids, params, priority=priority)
+        if ttl_ms is not None:
+            req.deadline = req.arrival_time + ttl_ms / 1000.0
         for i in range(params.n):
             p = params if params.n == 1 or params.seed is None else params.clone(
                 seed=(params.seed + i) % 2**63)
-            seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), p, index=i)
+            seq = Sequence(next(self._seq_ids), request_id, list(ids), len(ids), p, index=i,
+                           priority=priority)
             req.seqs.append(seq)
+            req.detoks.append(None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, ids, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens))
+            req.last_token_time.append(0.0)
             self.scheduler.add(seq)
         self.requests[request_id] = req
         return req
@@ -159,35 +207,70 @@ class LLMEngine:
                 "(or the KV memory budget) or shorten the request")
         return list(ids)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> EngineOutput:
+        """End a request now (its KV blocks are freed); unknown ids are ignored."""
+        out = EngineOutput()
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return out
         for seq in req.seqs:
             if not seq.is_finished:
-                self._finish_seq(seq, "abort")
-        return self._make_output(self.requests.pop(request_id))
+                self._finish_seq(seq, reason)
+                out.deltas.append(self._final_delta(req, seq, [], None))
+        out.finished.append(self._finish_request(req))
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- the step -------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+    def step(self) -> EngineOutput:
+        """Run one engine step: expire timed-out requests, schedule, compute, apply."""
         t0 = time.perf_counter()
+        out = self._expire()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self.scheduler.num_unfinished:
+            if self.scheduler.num_unfinished and not out.deltas:
                 raise RuntimeError("scheduler made no progress with requests pending")
-            return []
+            return out
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            if not seq.on_worker and seq.num_preemptions == 0 and seq.index == 0:
+                self.metrics.queue_time.observe(now - self.requests[seq.request_id].arrival_time)
+        # Prompt tokens computed this step (chunks and recomputes included).
+        prompt_tokens = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
+                                - seq.num_computed_tokens) for seq, n in sched.scheduled)
         plan = self._build_plan(sched)
         plan_bytes = self.workers.broadcast(plan)
         result = self._wait_result(plan.step_id)
-        finished = self._apply_result(sched, result)
+        self._apply_result(sched, result, out)
         self.last_step = StepStats(plan.step_id, sched.num_batched_tokens, plan_bytes,
                                    result.worker_time_s, time.perf_counter() - t0)
-        return finished
+        self._export_stats(prompt_tokens, len(result.token_ids))
+        return out
+
+    def _expire(self) -> EngineOutput:
+        out = EngineOutput()
+        now = time.monotonic()
+        for req in [r for r in self.requests.values()
+                    if r.deadline is not None and now >= r.deadline]:
+            part = self.abort_request(req.request_id, "timeout")
+            out.deltas += part.deltas
+            out.finished += part.finished
+        return out
+
+    def _export_stats(self, prompt_tokens: int, num_sampled: int) -> None:
+        st = self.kv.stats
+        queries, hits, pre = st.queries, st.hits, self.scheduler.num_preemptions
+        q0, h0, p0 = self._stats_seen
+        self._stats_seen = (queries, hits, pre)
+        m = self.metrics
+        m.record_step(prompt_tokens=prompt_tokens, generation_tokens=num_sampled,
+                      preemptions=pre - p0, queries=queries - q0, hits=hits - h0)
+        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        m.set_state(running, waiting, self.kv.usage)
+        m.maybe_log(running, waiting, self.kv.usage)
 
     def _build_plan(self, sched: SchedulerOutput) -> protocol.StepPlan:
         drops = self._pending_drops
@@ -223,11 +306,11 @@ class LLMEngine:
             self._fail_all()
             raise
 
-    def _apply_result(self, sched: SchedulerOutput,
-                      result: protocol.StepResult) -> list[RequestOutput]:
+    def _apply_result(self, sched: SchedulerOutput, result: protocol.StepResult,
+                      out: EngineOutput) -> None:
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
-        done: list[Request] = []
+        now = time.monotonic()
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)
@@ -235,21 +318,56 @@ class LLMEngine:
             if token is None:
                 assert seq.num_computed_tokens < seq.num_tokens, "worker skipped a sample"
                 continue
+            req = self.requests[seq.request_id]
             seq.token_ids.append(token)
-            if seq.seq_id in logprobs and logprobs[seq.seq_id] is not None:
+            lp_entry = None
+            if logprobs.get(seq.seq_id) is not None:
+                lp, top = logprobs[seq.seq_id]
+                lp_entry = {int(t): float(v) for t, v in top}
+                lp_entry[token] = float(lp)
                 if seq.logprobs is None:
                     seq.logprobs = []
-                lp, top = logprobs[seq.seq_id]
-                entry = {int(t): float(v) for t, v in top}
-                entry[token] = float(lp)
-                seq.logprobs.append(entry)
+                seq.logprobs.append(lp_entry)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.metrics.ttft.observe(now - req.arrival_time)
+            elif req.last_token_time[seq.index]:
+                self.metrics.itl.observe(now - req.last_token_time[seq.index])
+            req.last_token_time[seq.index] = now
             reason = self._check_stop(seq, token)
-            if reason is not None:
-                self._finish_seq(seq, reason)
-                req = self.requests[seq.request_id]
-                if req.finished:
-                    done.append(req)
-        return [self._make_output(self.requests.pop(r.request_id)) for r in done]
+            text = ""
+            detok = req.detoks[seq.index]
+            if detok is not None:
+                text, hit_stop = detok.add([token], finished=reason is not None)
+                if hit_stop and reason is None:
+                    reason = "stop"
+            lps = None if lp_entry is None else [lp_entry]
+            if reason is None:
+                out.deltas.append(CompletionDelta(req.request_id, seq.index, [token], text, lps,
+                                                  None))
+                continue
+            self._finish_seq(seq, reason)
+            out.deltas.append(self._final_delta(req, seq, [token], lps, text))
+            if req.finished:
+                out.finished.append(self._finish_request(req))
+
+    def _final_delta(self, req: Request, seq: Sequence, token_ids: list[int],
+                     lps: list | None, text: str = "") -> CompletionDelta:
+        detok = req.detoks[seq.index]
+        if detok is not None:
+            text += detok.flush()
+        usage = {"prompt_tokens": seq.num_prompt_tokens,
+                 "completion_tokens": seq.num_output_tokens,
+                 "cached_tokens": req.num_cached_tokens}
+        return CompletionDelta(req.request_id, seq.index, token_ids, text, lps,
+                               seq.finish_reason, usage)
+
+    def _finish_request(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
+        reason = req.seqs[0].finish_reason or "error"
+        self.metrics.finished[reason if reason in self.metrics.finished else "error"].inc()
+        return self._make_output(req)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -272,16 +390,12 @@ class LLMEngine:
                     self.scheduler.finish(seq, "error")
 
     def _make_output(self, req: Request, error: str | None = None) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.output_token_ids, self._detokenize(s.output_token_ids),
-                                 s.finish_reason, s.logprobs) for s in req.seqs]
+        outs = [CompletionOutput(s.index, s.output_token_ids,
+                                 "" if d is None else d.text, s.finish_reason, s.logprobs)
+                for s, d in zip(req.seqs, req.detoks)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
                              finished=True, error=error,
                              num_cached_tokens=req.num_cached_tokens)
-
-    def _detokenize(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def shutdown(self) -> None:
         try:

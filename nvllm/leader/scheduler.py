@@ -5,12 +5,17 @@ first (decodes, and the next chunk of prompts already being prefilled) and then
 waiting sequences, whose prompts are cut into chunks when they do not fit the rest of
 the budget. When KV blocks run out, the most recently admitted running sequence is
 preempted: its blocks are freed (their computed prefix stays in the prefix cache) and
-it goes back to the front of the waiting queue.
+it goes back to the waiting queue, ahead of everything that arrived after it.
+
+Priorities (lower runs first, ties first come first served) order the waiting queue and
+pick victims: the victim is the lowest-priority running sequence, and among equals the
+most recently admitted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from nvllm.leader.kv_cache_manager import KVCacheManager
@@ -38,13 +43,15 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival order)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.order = next(self._arrivals)
+        bisect.insort(self.waiting, seq, key=_waiting_key)
 
     @property
     def num_unfinished(self) -> int:
@@ -64,25 +71,30 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                j = self.running.index(victim)
+                self.running.pop(j)
+                if victim.seq_id in scheduled_ids:  # scheduled earlier in this step: undo
+                    k = next(k for k, (s, _) in enumerate(out.scheduled) if s is victim)
+                    budget += out.scheduled.pop(k)[1]
+                    scheduled_ids.discard(victim.seq_id)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
+                if j < i:
+                    i -= 1
             else:
                 out.scheduled.append((seq, n))
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 i += 1
                 continue
-            break  # seq preempted itself: nothing after it is left running
+            # seq preempted itself; sequences after it may still fit in what is left
         if out.preempted:
-            # A victim may have been scheduled earlier in this loop only if it came
-            # before seq; victims are taken from the tail, so that cannot happen.
-            assert not any(s.seq_id in scheduled_ids for s in out.preempted)
             return out
 
-        # 2. Waiting sequences (preempted ones are at the front), FCFS.
+        # 2. Waiting sequences, by priority then arrival (a preempted one keeps its place).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.get_computed_blocks(seq)
@@ -91,12 +103,16 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, hits):
                 break
             self.kv.record_lookup(seq)
-            self.waiting.popleft()
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return out
+
+    def _pick_victim(self) -> Sequence:
+        """Lowest priority (largest number) first; among equals the latest admitted."""
+        return max(enumerate(self.running), key=lambda e: (e[1].priority, e[0]))[1]
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -105,7 +121,7 @@ class Scheduler:
         seq.num_sent_tokens = seq.num_sent_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_waiting_key)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out (finished or aborted) and give its blocks back."""
@@ -116,3 +132,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _waiting_key(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.order

@@ -23,6 +23,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     index: int = 0  # which of the request's n completions
+    priority: int = 0  # lower runs first
+    order: int = 0  # arrival order: ties in priority are served first come, first served
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in the cache. The last sampled token is never computed yet.

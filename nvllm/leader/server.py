@@ -1,15 +1,8 @@
-"""The leader's client endpoint: a ZMQ ROUTER speaking msgpack maps.
+"""The leader's client endpoint: a ZMQ ROUTER speaking protocol v1 (docs/protocol.md).
 
-This is the first cut of the client protocol (the serving issue extends it with
-streaming, abort, TTL and priorities). Version 1 messages, client -> leader:
-
-- ``{"v": 1, "op": "info"}``
-- ``{"v": 1, "op": "generate", "id": ANY, "prompt": str}`` or ``"prompt_token_ids": [...]``,
-  with optional ``"params": {SamplingParams fields}``
-
-leader -> client: ``{"op": "info", ...}``, ``{"op": "output", "id", "token_ids", "text",
-"finish_reason", "prompt_tokens"}`` once a request finishes, or ``{"op": "error", "id",
-"code", "message"}``. Malformed frames get an error reply; nothing is ever unpickled.
+One thread runs both the socket and the engine: between steps it drains every message
+that arrived (never blocking while requests run), and when idle it blocks on the socket.
+Frames are msgpack maps; anything malformed gets an error reply and changes nothing.
 """
 
 from __future__ import annotations
@@ -17,20 +10,33 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import zmq
 
-from nvllm.common.errors import EngineDeadError, RequestRejected
+from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.zmq_utils import make_socket
-from nvllm.leader.engine import LLMEngine
+from nvllm.leader.engine import CompletionDelta, LLMEngine
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
+IDLE_POLL_MS = 100
+
+
+@dataclass(slots=True)
+class _Owner:
+    client: bytes
+    client_rid: Any
+    stream: bool
+    # Non-streaming requests: deltas gathered per completion until it finishes.
+    pending: dict[int, dict] = field(default_factory=dict)
 
 
 class EngineServer:
@@ -45,73 +51,175 @@ class EngineServer:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        self._owners: dict[str, tuple[bytes, Any]] = {}  # request id -> (client, their id)
+        self.dead: str | None = None
+        self._owners: dict[str, _Owner] = {}  # internal request id -> who asked
+        self._by_client: dict[bytes, dict[Any, str]] = defaultdict(dict)  # their id -> ours
+        self._last_seen: dict[bytes, float] = {}
         self._ids = itertools.count()
+        self._last_sweep = time.monotonic()
+
+    # ---- sending -----------------------------------------------------------------------
 
     def _send(self, client: bytes, msg: dict) -> None:
-        self.sock.send_multipart([client, msgpack.packb(msg, use_bin_type=True)])
+        try:
+            self.sock.send_multipart([client, msgpack.packb(msg, use_bin_type=True)],
+                                     flags=zmq.NOBLOCK)
+        except zmq.Again:  # a client that stopped reading loses messages, not the server
+            logger.warning("dropping a message to a client that does not read")
 
     def _error(self, client: bytes, rid: Any, code: str, message: str) -> None:
         self._send(client, {"op": "error", "id": rid, "code": code, "message": message})
 
+    # ---- receiving ---------------------------------------------------------------------
+
     def _handle(self, frames: list[bytes]) -> None:
         client, payload = frames[0], frames[-1]
+        self._last_seen[client] = time.monotonic()
         try:
             msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        except Exception as e:
+        except Exception as e:  # msgpack raises several unrelated types on garbage
             return self._error(client, None, "bad_frame", f"not a msgpack frame: {e}")
         if not isinstance(msg, dict):
             return self._error(client, None, "bad_frame", "a message must be a msgpack map")
         rid = msg.get("id")
+        if not isinstance(rid, (str, int, type(None))) or isinstance(rid, bool):
+            return self._error(client, None, "invalid_request", "id must be a string or int")
         if msg.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
             return self._error(client, rid, "bad_version",
                                f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}")
         op = msg.get("op")
+        if op == "ping":
+            return self._send(client, {"op": "pong"})
+        if op == "submit":
+            return self._submit(client, rid, msg)
+        if op == "abort":
+            ours = self._by_client[client].get(rid)
+            if ours is not None:
+                self._emit(self.engine.abort_request(ours).deltas)
+            return None
         if op == "info":
             e = self.engine
             return self._send(client, {
                 "op": "info", "v": PROTOCOL_VERSION, "model": self.model_name,
-                "max_model_len": e.config.max_model_len,
-                "kv_capacity_tokens": e.capacity_tokens, "ready": True})
-        if op != "generate":
-            return self._error(client, rid, "bad_op", f"unknown op {op!r}")
+                "max_model_len": e.config.max_model_len, "vocab_size": e.vocab_size,
+                "kv_capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size,
+                "tensor_parallel_size": e.config.tensor_parallel_size,
+                "ready": self.dead is None})
+        if op == "health":
+            return self._send(client, {"op": "health", "ready": self.dead is None,
+                                       "reason": self.dead})
+        if op == "metrics":
+            return self._send(client, {"op": "metrics", "text": self.engine.metrics.exposition()})
+        return self._error(client, rid, "bad_op", f"unknown op {op!r}")
+
+    def _submit(self, client: bytes, rid: Any, msg: dict) -> None:
+        if rid is None:
+            return self._error(client, None, "invalid_request", "submit needs an 'id'")
+        if self.dead is not None:
+            return self._error(client, rid, "engine_unavailable", self.dead)
+        if rid in self._by_client[client]:
+            return self._error(client, rid, "duplicate_id",
+                               f"request id {rid!r} is already in flight on this connection")
         try:
-            params = SamplingParams.from_dict(msg.get("params") or {})
-            if not isinstance(rid, (str, int, type(None))):
-                raise ValueError("id must be a string or an integer")
+            raw = msg.get("params") or {}
+            if not isinstance(raw, dict):
+                raise ValueError("'params' must be a map")
+            params = SamplingParams.from_dict(raw)
             prompt, ids = msg.get("prompt"), msg.get("prompt_token_ids")
             if (prompt is None) == (ids is None):
                 raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
             if prompt is not None and not isinstance(prompt, str):
                 raise ValueError("'prompt' must be a string")
             internal = f"srv-{next(self._ids)}"
-            self.engine.add_request(prompt, params, request_id=internal, prompt_token_ids=ids)
+            self.engine.add_request(prompt, params, request_id=internal, prompt_token_ids=ids,
+                                    priority=msg.get("priority") or 0,
+                                    ttl_ms=msg.get("ttl_ms"))
+        except Overloaded as e:
+            return self._error(client, rid, "overloaded", str(e))
         except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
             code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
             return self._error(client, rid, code, str(e))
-        self._owners[internal] = (client, rid)
+        self._owners[internal] = _Owner(client, rid, bool(msg.get("stream", True)))
+        self._by_client[client][rid] = internal
+
+    # ---- outputs -----------------------------------------------------------------------
+
+    def _emit(self, deltas: list[CompletionDelta]) -> None:
+        for d in deltas:
+            owner = self._owners.get(d.request_id)
+            if owner is None:
+                continue
+            msg = {"op": "output", "id": owner.client_rid, "index": d.index,
+                   "token_ids": d.token_ids, "text": d.text, "logprobs": d.logprobs,
+                   "finish_reason": d.finish_reason}
+            if d.usage is not None:
+                msg["usage"] = d.usage
+            if owner.stream:
+                self._send(owner.client, msg)
+            else:
+                acc = owner.pending.setdefault(d.index, {**msg, "token_ids": [], "text": "",
+                                                         "logprobs": []})
+                acc["token_ids"] += d.token_ids
+                acc["text"] += d.text
+                acc["logprobs"] += d.logprobs or []
+                if d.finish_reason is not None:
+                    acc.update(finish_reason=d.finish_reason, usage=d.usage)
+                    acc["logprobs"] = acc["logprobs"] or None
+                    self._send(owner.client, owner.pending.pop(d.index))
+            if d.finish_reason is not None and d.request_id not in self.engine.requests:
+                self._owners.pop(d.request_id, None)
+                self._by_client[owner.client].pop(owner.client_rid, None)
+
+    def _sweep_silent_clients(self) -> None:
+        """Abort the requests of clients that stopped pinging (gone, or hung)."""
+        now = time.monotonic()
+        if now - self._last_sweep < 0.5:
+            return
+        self._last_sweep = now
+        limit = self.engine.config.client_timeout_s
+        for client, live in list(self._by_client.items()):
+            if live and now - self._last_seen.get(client, now) > limit:
+                logger.warning("client silent for %.0f s: aborting its %d request(s)", limit,
+                               len(live))
+                for ours in list(live.values()):
+                    self._emit(self.engine.abort_request(ours).deltas)
+            if not self._by_client.get(client):
+                self._by_client.pop(client, None)
+                self._last_seen.pop(client, None)
+
+    def _fail_everything(self, error: str) -> None:
+        self.dead = error.split("\n")[0]
+        logger.error("engine unavailable: %s", error)
+        for owner in self._owners.values():
+            self._error(owner.client, owner.client_rid, "engine_unavailable", self.dead)
+        self._owners.clear()
+        self._by_client.clear()
+        self.engine.requests.clear()
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def _drain(self, timeout_ms: int) -> None:
+        while self.sock.poll(timeout_ms):
+            self._handle(self.sock.recv_multipart())
+            timeout_ms = 0
 
     def serve(self, stop: threading.Event) -> None:
         """Admit and step until `stop` is set; idle waits block on the socket."""
+        batch_wait = self.engine.config.batch_timeout_ms / 1000.0
         while not stop.is_set():
-            timeout = 0 if self.engine.has_unfinished_requests() else 100
-            while self.sock.poll(timeout):
-                self._handle(self.sock.recv_multipart())
-                timeout = 0
-            if self.engine.has_unfinished_requests():
+            busy = self.dead is None and self.engine.has_unfinished_requests()
+            self._drain(0 if busy else IDLE_POLL_MS)
+            if not busy and batch_wait and self.engine.has_unfinished_requests():
+                # Idle until now: give more arrivals a moment to join the first prefill.
+                deadline = time.monotonic() + batch_wait
+                while (left := deadline - time.monotonic()) > 0:
+                    self._drain(max(1, int(left * 1000)))
+            self._sweep_silent_clients()
+            if self.dead is None and self.engine.has_unfinished_requests():
                 try:
-                    outs = self.engine.step()
+                    self._emit(self.engine.step().deltas)
                 except EngineDeadError as e:
-                    for client, rid in self._owners.values():
-                        self._error(client, rid, "engine_unavailable", str(e).split("\n")[0])
-                    self._owners.clear()
-                    raise
-                for out in outs:
-                    client, rid = self._owners.pop(out.request_id)
-                    self._send(client, {
-                        "op": "output", "id": rid, "token_ids": out.token_ids,
-                        "text": out.text, "finish_reason": out.finish_reason,
-                        "prompt_tokens": len(out.prompt_token_ids)})
+                    self._fail_everything(str(e))
 
     def close(self) -> None:
         self.sock.close(0)

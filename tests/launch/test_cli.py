@@ -62,12 +62,12 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
         assert info["ready"] and info["max_model_len"] == 1024
         assert ask(b"\x93garbage", raw=True)["code"] == "bad_frame"
         assert ask({"op": "launch_missiles"})["code"] == "bad_op"
-        bad = ask({"op": "generate", "id": "t1", "prompt": "hi",
+        bad = ask({"op": "submit", "id": "t1", "prompt": "hi",
                    "params": {"temperature": -1}})
         assert bad["id"] == "t1" and "temperature" in bad["message"]
-        long = ask({"op": "generate", "id": 2, "prompt_token_ids": [5] * 2000})
+        long = ask({"op": "submit", "id": 2, "prompt_token_ids": [5] * 2000})
         assert long["code"] == "rejected" and "max_model_len is 1024" in long["message"]
-        out = ask({"op": "generate", "id": "ok", "prompt": "Hello",
+        out = ask({"op": "submit", "id": "ok", "prompt": "Hello", "stream": False,
                    "params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}})
         assert out["op"] == "output" and out["id"] == "ok" and len(out["token_ids"]) == 8
         assert out["finish_reason"] == "length"

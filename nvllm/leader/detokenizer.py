@@ -1,0 +1,77 @@
+"""Incremental detokenization with stop strings, one instance per completion.
+
+Text is produced from a sliding window of token ids: a few prompt tokens of context (so
+tokenizers that drop a leading space at the start of a decode still space the first
+word right) and the tokens since the last emitted character. A window whose decode ends
+in U+FFFD is an incomplete multi-byte character: nothing is emitted until it completes.
+Stop strings are found in the whole text, and the last ``max(len(stop)) - 1``
+characters are held back while generating, so a stream never shows part of a stop string.
+"""
+
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], *, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        ctx = list(prompt_token_ids[-CONTEXT_TOKENS:]) if tokenizer is not None else []
+        self.ids: list[int] = ctx
+        self.prefix_offset = 0
+        self.read_offset = len(ctx)
+        self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all output text so far (cut at a stop string once found)
+        self.sent = 0  # characters of text already handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, token_ids: list[int], finished: bool = False) -> tuple[str, bool]:
+        """Feed new tokens; returns (text delta to emit, True if a stop string was hit)."""
+        if self.tokenizer is None:
+            return "", False
+        start = len(self.text)
+        for t in token_ids:
+            self.ids.append(t)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
+                self.text += full[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if finished and self.read_offset < len(self.ids):  # flush an incomplete character
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.read_offset = len(self.ids)
+        hit = self._find_stop(start)
+        emit_to = len(self.text) if (finished or hit) else max(self.sent,
+                                                              len(self.text) - self.holdback)
+        delta = self.text[self.sent:emit_to]
+        self.sent = emit_to
+        return delta, hit
+
+    def _find_stop(self, start: int) -> bool:
+        if not self.stop:
+            return False
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, max(0, start - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[:i + len(s) if self.include_stop else i]
+        self.sent = min(self.sent, len(self.text))
+        return True
+
+    def flush(self) -> str:
+        """Everything not yet emitted (the held-back tail, at the end of a completion)."""
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
+        return delta
