@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
             self.ids.append(t)
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
-            if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if finished and self.read_offset < len(self.ids):  # flush an incomplete character

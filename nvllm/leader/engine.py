@@ -140,9 +140,11 @@ class LLMEngine:
         """Admit a request, or raise RequestRejected saying which limit it breaks."""
         params = params or SamplingParams()
         limit = self.config.max_queued_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise Overloaded(f"overloaded: {len(self.scheduler.waiting)} requests are already "
-                             f"waiting (max_queued_requests={limit}); retry later")
+        if limit is not None:
+            waiting = len({s.request_id for s in self.scheduler.waiting})
+            if waiting >= limit:
+                raise Overloaded(f"overloaded: {waiting} requests are already waiting "
+                                 f"(max_queued_requests={limit}); retry later")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise RequestRejected(f"priority must be an integer, got {priority!r}")
         if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
