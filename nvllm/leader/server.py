@@ -35,6 +35,7 @@ class _Owner:
     client: bytes
     client_rid: Any
     stream: bool
+    remaining: int  # completions that have not sent their final message yet
     # Non-streaming requests: deltas gathered per completion until it finishes.
     pending: dict[int, dict] = field(default_factory=dict)
 
@@ -139,7 +140,7 @@ class EngineServer:
         except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
             code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
             return self._error(client, rid, code, str(e))
-        self._owners[internal] = _Owner(client, rid, bool(msg.get("stream", True)))
+        self._owners[internal] = _Owner(client, rid, bool(msg.get("stream", True)), params.n)
         self._by_client[client][rid] = internal
 
     # ---- outputs -----------------------------------------------------------------------
@@ -166,9 +167,11 @@ class EngineServer:
                     acc.update(finish_reason=d.finish_reason, usage=d.usage)
                     acc["logprobs"] = acc["logprobs"] or None
                     self._send(owner.client, owner.pending.pop(d.index))
-            if d.finish_reason is not None and d.request_id not in self.engine.requests:
-                self._owners.pop(d.request_id, None)
-                self._by_client[owner.client].pop(owner.client_rid, None)
+            if d.finish_reason is not None:
+                owner.remaining -= 1
+                if owner.remaining == 0:
+                    self._owners.pop(d.request_id, None)
+                    self._by_client[owner.client].pop(owner.client_rid, None)
 
     def _sweep_silent_clients(self) -> None:
         """Abort the requests of clients that stopped pinging (gone, or hung)."""

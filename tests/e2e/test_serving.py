@@ -1,0 +1,248 @@
+"""Clients attached over ZMQ (protocol v1): streaming, abort, TTL, priorities, overload,
+client disconnect, and a load of 200 concurrent streams checked against offline output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from nvllm import LLM, SamplingParams
+from nvllm.common.client import Client
+from nvllm.common.errors import RequestRejected
+from nvllm.leader.server import EngineServer
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+
+
+def serve(llm: LLM) -> SimpleNamespace:
+    server = EngineServer(llm.engine)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    return SimpleNamespace(llm=llm, server=server, endpoint=server.endpoint, stop=stop,
+                           thread=thread)
+
+
+def teardown(s: SimpleNamespace) -> None:
+    s.stop.set()
+    s.thread.join(30)
+    s.server.close()
+    s.llm.shutdown()
+
+
+def wait_idle(llm: LLM, timeout: float = 15.0) -> None:
+    """Until no request is left in the engine and every KV block is free again."""
+    kv = llm.engine.kv
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not llm.engine.requests and kv.num_free_blocks == kv.num_blocks:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {len(llm.engine.requests)} requests, "
+                         f"{kv.num_blocks - kv.num_free_blocks} blocks held")
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    llm = LLM(tiny("qwen3"), device="cpu", dtype="float32", max_num_seqs=64,
+              client_timeout_s=2.0)
+    s = serve(llm)
+    yield s
+    teardown(s)
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny):
+    """An engine that runs one sequence at a time and queues at most 3."""
+    llm = LLM(tiny("qwen3"), device="cpu", dtype="float32", max_num_seqs=1,
+              max_queued_requests=3)
+    s = serve(llm)
+    yield s
+    teardown(s)
+
+
+def offline(tiny, prompts, params=GREEDY):
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32") as llm:
+        outs = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    return [(o.token_ids, o.text) for o in outs]
+
+
+def test_stream_deltas_add_up_to_the_offline_output(served, tiny):
+    prompts = ["The capital of France is", "naïve café — 東京 ✓"]
+    ref = offline(tiny, prompts)
+    with Client(served.endpoint, timeout_s=60) as c:
+        assert c.info()["ready"] and c.health()["ready"]
+        for prompt, (ref_ids, ref_text) in zip(prompts, ref):
+            deltas = list(c.stream(prompt, GREEDY))
+            assert all(len(d.token_ids) == 1 for d in deltas)
+            assert [t for d in deltas for t in d.token_ids] == ref_ids
+            assert "".join(d.text for d in deltas) == ref_text
+            assert [d.finish_reason for d in deltas][-1] == "length"
+            assert all(d.finish_reason is None for d in deltas[:-1])
+            assert deltas[-1].usage["completion_tokens"] == 16
+    wait_idle(served.llm)
+
+
+def test_stop_string_never_leaks_into_the_stream(served):
+    with Client(served.endpoint, timeout_s=60) as c:
+        full = c.generate("Once upon a time", GREEDY).text
+        assert len(full) > 8
+        stop = full[4:7]
+        deltas = list(c.stream("Once upon a time", {**GREEDY, "stop": [stop]}))
+    text = "".join(d.text for d in deltas)
+    assert text == full[:full.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+
+
+def test_non_streaming_request_gets_one_message(served):
+    with Client(served.endpoint, timeout_s=60) as c:
+        c._send({"op": "submit", "id": "x", "prompt": "Hello", "stream": False,
+                 "params": {**GREEDY, "n": 2, "seed": 3, "temperature": 0.8}})
+        msgs = [c._wait_for("x", ()), c._wait_for("x", ())]
+    assert sorted(m["index"] for m in msgs) == [0, 1]
+    assert all(len(m["token_ids"]) == 16 and m["finish_reason"] == "length" for m in msgs)
+
+
+def test_abort_mid_stream_frees_blocks(served):
+    with Client(served.endpoint, timeout_s=60) as c:
+        stream = c.stream("Tell me a long story", {**GREEDY, "max_tokens": 500})
+        got = [next(stream) for _ in range(3)]
+        assert all(d.finish_reason is None for d in got)
+        stream.close()  # leaving the generator sends an abort
+        wait_idle(served.llm)
+        # An explicit abort by id also ends the request with finish_reason "abort".
+        c._send({"op": "submit", "id": "y", "prompt": "Hi", "params": {**GREEDY,
+                                                                        "max_tokens": 500}})
+        assert c._wait_for("y", ())["finish_reason"] is None
+        c.abort("y")
+        while (m := c._wait_for("y", ()))["finish_reason"] is None:
+            pass
+        assert m["finish_reason"] == "abort"
+    wait_idle(served.llm)
+
+
+def test_ttl_expires_while_running(served):
+    with Client(served.endpoint, timeout_s=60) as c:
+        t0 = time.monotonic()
+        out = c.generate("Tell me a long story", {**GREEDY, "max_tokens": 1000},
+                         ttl_ms=400)
+    assert out.finish_reason == "timeout"
+    assert 0 < len(out.token_ids) < 1000
+    assert time.monotonic() - t0 < 5
+    wait_idle(served.llm)
+
+
+def test_ttl_expires_while_waiting_and_priorities_order_admission(one_at_a_time):
+    ep = one_at_a_time.endpoint
+    with Client(ep, timeout_s=60) as c:
+        long = {**GREEDY, "max_tokens": 200}
+        c._send({"op": "submit", "id": "A", "prompt": "First", "params": long})
+        assert c._wait_for("A", ())["finish_reason"] is None  # A runs; the rest must wait
+        c._send({"op": "submit", "id": "late", "prompt": "x", "params": GREEDY,
+                 "ttl_ms": 200})
+        c._send({"op": "submit", "id": "B", "prompt": "y", "params": GREEDY, "priority": 5})
+        c._send({"op": "submit", "id": "C", "prompt": "z", "params": GREEDY, "priority": 0})
+        # The queue holds 3 (late, B, C): one more is refused at once.
+        c._send({"op": "submit", "id": "D", "prompt": "w", "params": GREEDY})
+        err = c._wait_for("D", ())
+        assert err["op"] == "error" and err["code"] == "overloaded"
+        assert "max_queued_requests=3" in err["message"]
+        late = c._wait_for("late", ())
+        assert late["finish_reason"] == "timeout" and late["token_ids"] == []
+        finish_order = []
+        pending = {"A", "B", "C"}
+        while pending:
+            msg = c._recv(time.monotonic() + 60)
+            if msg.get("finish_reason") is not None:
+                finish_order.append(msg["id"])
+                pending.discard(msg["id"])
+    assert finish_order == ["A", "C", "B"]
+    wait_idle(one_at_a_time.llm)
+
+
+def test_rejections_and_bad_frames_are_answered(served):
+    with Client(served.endpoint, timeout_s=60) as c:
+        with pytest.raises(RequestRejected, match="max_model_len is 1024"):
+            c.generate([5] * 2000, GREEDY)
+        with pytest.raises(Exception, match="temperature"):
+            c.generate("hi", {"temperature": -1})
+        c._sock.send(b"\xc1\xc1 not msgpack")
+        assert c._wait_for(None, ("error",))["code"] == "bad_frame"
+        import pickle
+
+        c._sock.send(pickle.dumps({"op": "info"}))
+        assert c._wait_for(None, ("error",))["code"] == "bad_frame"
+        assert c.generate("still serving", GREEDY).finish_reason == "length"
+    wait_idle(served.llm)
+
+
+def test_client_that_disappears_has_its_requests_aborted(served):
+    code = textwrap.dedent(f"""
+        from nvllm.common.client import Client
+        c = Client({served.endpoint!r})
+        for i, d in enumerate(c.stream("A very long story", {{"temperature": 0,
+                "max_tokens": 900, "ignore_eos": True}})):
+            if i == 2:
+                print("streaming", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        assert served.llm.engine.requests
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_idle(served.llm, timeout=10)  # client_timeout_s=2 in this fixture
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+LOAD_CLIENT = textwrap.dedent("""
+    import asyncio, json, sys
+    from nvllm.common.client import AsyncClient
+
+    async def main(endpoint, first, count):
+        c = AsyncClient(endpoint)
+        async def one(i):
+            ids, text = [], ""
+            async for d in c.stream(f"Request {i}: tell me about number {i}.",
+                                    {"temperature": 0, "max_tokens": 12, "ignore_eos": True}):
+                ids += d.token_ids
+                text += d.text
+            return i, ids, text
+        results = await asyncio.gather(*(one(i) for i in range(first, first + count)))
+        c.close()
+        print(json.dumps(results))
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+""")
+
+
+def test_200_concurrent_streams_from_several_processes(served, tiny):
+    n_proc, per = 4, 50
+    prompts = [f"Request {i}: tell me about number {i}." for i in range(n_proc * per)]
+    ref = offline(tiny, prompts, {"temperature": 0, "max_tokens": 12, "ignore_eos": True})
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_CLIENT, served.endpoint,
+                               str(k * per), str(per)], stdout=subprocess.PIPE, text=True)
+             for k in range(n_proc)]
+    results = {}
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        for i, ids, text in json.loads(out):
+            results[i] = (ids, text)
+    assert len(results) == 200
+    for i, (ids, text) in enumerate(ref):
+        assert results[i] == (ids, text), f"request {i} differs from the offline output"
+    wait_idle(served.llm)
