@@ -52,6 +52,12 @@ def resolve_model(model: str) -> str:
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True)
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
               default="auto")
+@click.option("--max-queued-requests", default=None, type=int,
+              help="Refuse new requests with 'overloaded' beyond this many waiting.")
+@click.option("--batch-timeout-ms", default=0.0, type=float,
+              help="When idle, wait this long for more arrivals before the first prefill.")
+@click.option("--client-timeout-s", default=10.0, type=float,
+              help="Abort the requests of a client silent for this long.")
 @click.option("--host", default="127.0.0.1", help="Address of the client endpoint.")
 @click.option("--port", default=0, type=int,
               help="Port of the client endpoint (0: any free port, printed at start).")
@@ -63,8 +69,9 @@ def resolve_model(model: str) -> str:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
-           enable_prefix_caching, attention_backend, host, port, prompts, demo, max_tokens,
-           temperature, log_level) -> None:
+           enable_prefix_caching, attention_backend, max_queued_requests, batch_timeout_ms,
+           client_timeout_s, host, port, prompts, demo, max_tokens, temperature,
+           log_level) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes."""
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
@@ -76,7 +83,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
               gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
-              attention_backend=attention_backend)
+              attention_backend=attention_backend, max_queued_requests=max_queued_requests,
+              batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s)
     with llm:
         cfg = llm.config
         click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} tp={tp} "
