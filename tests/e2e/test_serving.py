@@ -246,3 +246,30 @@ def test_200_concurrent_streams_from_several_processes(served, tiny):
     for i, (ids, text) in enumerate(ref):
         assert results[i] == (ids, text), f"request {i} differs from the offline output"
     wait_idle(served.llm)
+
+
+def test_batch_timeout_gathers_arrivals_into_the_first_prefill(tiny):
+    from nvllm.common import protocol
+
+    llm = LLM(tiny("qwen3"), device="cpu", dtype="float32", batch_timeout_ms=600)
+    plans = []
+    broadcast = llm.engine.workers.broadcast
+
+    def spy(msg):
+        if isinstance(msg, protocol.StepPlan):
+            plans.append(len(msg.new_seqs))
+        return broadcast(msg)
+
+    llm.engine.workers.broadcast = spy
+    s = serve(llm)
+    try:
+        with Client(s.endpoint, timeout_s=60) as c:
+            for i in range(3):
+                c._send({"op": "submit", "id": i, "prompt": f"prompt {i}", "params": GREEDY})
+                time.sleep(0.15)
+            done = 0
+            while done < 3:
+                done += c._recv(time.monotonic() + 60).get("finish_reason") is not None
+        assert plans[0] == 3, f"first plan admitted {plans[0]} of 3 requests"
+    finally:
+        teardown(s)
