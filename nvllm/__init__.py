@@ -3,7 +3,8 @@
 from nvllm.common.outputs import CompletionOutput, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Client", "AsyncClient", "SamplingParams", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"
 
 
@@ -13,4 +14,8 @@ def __getattr__(name: str):
         from nvllm.llm import LLM
 
         return LLM
+    if name in ("Client", "AsyncClient"):
+        from nvllm.common import client
+
+        return getattr(client, name)
     raise AttributeError(name)
