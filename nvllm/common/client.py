@@ -88,6 +88,14 @@ class _Pending:
                              num_cached_tokens=usage.get("cached_tokens", 0))
 
 
+def _unpack(data: bytes) -> Any:
+    """Decode one frame; logprob maps are keyed by token id, hence strict_map_key=False."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+
+
 def _submit_msg(rid: str, prompt: str | list[int], params: SamplingParams | dict | None,
                 priority: int, ttl_ms: int | None, stream: bool) -> dict:
     if isinstance(params, SamplingParams):
@@ -143,7 +151,7 @@ class Client:
             if now > deadline:
                 raise TimeoutError(f"no answer from {self.endpoint} in {self.timeout_s:.0f} s")
             if self._sock.poll(int(min(PING_INTERVAL_S, deadline - now) * 1000) + 1):
-                msg = msgpack.unpackb(self._sock.recv(), raw=False)
+                msg = _unpack(self._sock.recv())
                 if isinstance(msg, dict) and msg.get("op") != "pong":
                     return msg
 
@@ -246,15 +254,16 @@ class AsyncClient:
 
     async def _reader(self) -> None:
         while True:
-            msg = msgpack.unpackb(await self._sock.recv(), raw=False)
+            msg = _unpack(await self._sock.recv())
             if not isinstance(msg, dict):
-                continue
+                continue  # undecodable: one bad frame must not stop the reader
             op, rid = msg.get("op"), msg.get("id")
             if rid is not None and str(rid) in self._queues:
                 self._queues[str(rid)].put_nowait(msg)
             elif op in self._control and not self._control[op].done():
                 self._control.pop(op).set_result(msg)
-            elif op == "error" and self._control:
+            elif op == "error" and rid is None and self._control:
+                # An error about no request answers the control calls in flight.
                 for fut in self._control.values():
                     if not fut.done():
                         fut.set_result(msg)
@@ -272,7 +281,12 @@ class AsyncClient:
         if fut is None or fut.done():
             fut = self._control[op] = asyncio.get_running_loop().create_future()
             await self._send({"v": PROTOCOL_VERSION, "op": op})
-        msg = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        try:
+            msg = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        finally:
+            if not fut.done() and self._control.get(op) is fut:
+                # Timed out or cancelled: ask again next time rather than wait on this one.
+                self._control.pop(op)
         if msg.get("op") == "error":
             _raise_for(msg)
         return msg
@@ -299,7 +313,7 @@ class AsyncClient:
         try:
             await self._send(_submit_msg(rid, prompt, params, priority, ttl_ms, stream=True))
             while remaining:
-                msg = await asyncio.wait_for(queue.get(), self.timeout_s)
+                msg = await self._next(queue)
                 if msg.get("op") == "error":
                     _raise_for(msg)
                 d = _delta(msg)
@@ -310,6 +324,19 @@ class AsyncClient:
             self._queues.pop(rid, None)
             if remaining:  # cancelled or abandoned: free the engine's work
                 await self._send({"v": PROTOCOL_VERSION, "op": "abort", "id": rid})
+
+    async def _next(self, queue: asyncio.Queue) -> dict:
+        # Not asyncio.wait_for(queue.get()): on Python < 3.12 it can swallow a cancel that
+        # lands as a message arrives, and the cancelled stream would run to its end.
+        get = asyncio.ensure_future(queue.get())
+        try:
+            done, _ = await asyncio.wait({get}, timeout=self.timeout_s)
+        finally:
+            if not get.done():
+                get.cancel()
+        if not done:
+            raise TimeoutError(f"no answer from {self.endpoint} in {self.timeout_s:.0f} s")
+        return get.result()
 
     async def generate(self, prompt: str | list[int],
                        params: SamplingParams | dict | None = None,

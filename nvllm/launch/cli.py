@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import threading
 import time
 
@@ -61,6 +62,13 @@ def resolve_model(model: str) -> str:
 @click.option("--host", default="127.0.0.1", help="Address of the client endpoint.")
 @click.option("--port", default=0, type=int,
               help="Port of the client endpoint (0: any free port, printed at start).")
+@click.option("--http-port", default=None, type=int,
+              help="Also start the OpenAI-compatible HTTP gateway on this port.")
+@click.option("--http-host", default="127.0.0.1", help="Bind address of the HTTP gateway.")
+@click.option("--served-model-name", default=None,
+              help="Model name for HTTP clients (default: the model path).")
+@click.option("--api-key", default=None, envvar="NVLLM_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on the gateway's /v1 routes.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
 @click.option("--max-tokens", default=32, type=int)
@@ -70,8 +78,8 @@ def resolve_model(model: str) -> str:
 def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
            enable_prefix_caching, attention_backend, max_queued_requests, batch_timeout_ms,
-           client_timeout_s, host, port, prompts, demo, max_tokens, temperature,
-           log_level) -> None:
+           client_timeout_s, host, port, http_port, http_host, served_model_name, api_key,
+           prompts, demo, max_tokens, temperature, log_level) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes."""
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
@@ -110,14 +118,29 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
             return
         from nvllm.leader.server import EngineServer
 
-        server = EngineServer(llm.engine, host, port)
+        server = EngineServer(llm.engine, host, port, model_name=served_model_name)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
+        gateway = None
+        if http_port is not None:
+            from nvllm.launch.http_gateway import start_gateway_process
+
+            gateway = start_gateway_process(server.endpoint, http_host, http_port,
+                                            served_model_name, api_key=api_key)
+            click.echo(f"OpenAI-compatible HTTP gateway on http://{http_host}:{http_port}/v1 "
+                       f"(pid {gateway.pid})")
         try:
             server.serve(stop)
         finally:
+            if gateway is not None:
+                gateway.terminate()
+                try:
+                    gateway.wait(10)
+                except subprocess.TimeoutExpired:
+                    gateway.kill()
+                    gateway.wait()
             server.close()
         click.echo("shutting down")
 

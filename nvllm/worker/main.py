@@ -9,13 +9,11 @@ the worker exits by itself when its parent dies.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -27,27 +25,12 @@ import zmq
 from nvllm.common import protocol
 from nvllm.common.config import EngineConfig, ModelInfo
 from nvllm.common.errors import ProtocolError
+from nvllm.common.proc import die_with_parent
 from nvllm.common.zmq_utils import make_socket
 from nvllm.worker.model_runner import ModelRunner
 from nvllm.worker.parallel import TPContext
 
 logger = logging.getLogger("nvllm.worker")
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:  # PR_SET_PDEATHSIG: the kernel kills us if the launcher dies
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-        except OSError:
-            pass
-
-    def watch() -> None:  # belt and braces (pdeathsig follows the parent *thread*)
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def run_worker(spec: dict) -> None:
@@ -123,7 +106,7 @@ def main() -> None:
                         format=f"%(asctime)s nvllm-worker-{spec['rank']} %(levelname)s "
                                "%(message)s")
     if spec.get("parent_pid"):
-        _die_with_parent(spec["parent_pid"])
+        die_with_parent(spec["parent_pid"])
     # The launcher stops workers with SIGTERM; Ctrl-C in a terminal reaches the whole
     # process group, and the leader handles it, so workers ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -30,10 +30,17 @@ def test_launch_generates_and_exits(tiny, procs):
 
 
 def test_launch_serves_clients_until_sigint(tiny, procs):
+    import socket
+
+    import httpx
     import msgpack
     import zmq
 
-    proc = subprocess.Popen([*LAUNCH, "--model", tiny("qwen3"), "--tp", "2", "--device", "cpu"],
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    proc = subprocess.Popen([*LAUNCH, "--model", tiny("qwen3"), "--tp", "2", "--device", "cpu",
+                             "--http-port", str(http_port), "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -44,9 +51,10 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             lines.append(line)
-            if "serving on" in line or not line:
+            if "HTTP gateway" in line or not line:
                 break
         text = "".join(lines)
+        gateway_pid = int(re.search(r"HTTP gateway on \S+ \(pid (\d+)\)", text).group(1))
         endpoint = re.search(r"serving on (tcp://\S+);", text).group(1)
         assert endpoint.startswith("tcp://127.0.0.1:")
         pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", text).group(1).split(",")]
@@ -72,9 +80,26 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
         assert out["op"] == "output" and out["id"] == "ok" and len(out["token_ids"]) == 8
         assert out["finish_reason"] == "length"
 
+        # The OpenAI gateway started beside the engine answers over HTTP.
+        base = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway never became healthy"
+            time.sleep(0.2)
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
+        r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hello",
+                                                         "max_tokens": 8, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == out["text"]
+
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-        assert not any(procs.pid_alive(p) for p in pids)
+        assert not any(procs.pid_alive(p) for p in [*pids, gateway_pid])
     finally:
         sock.close(0)
         ctx.term()

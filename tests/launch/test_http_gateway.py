@@ -1,0 +1,430 @@
+"""nvllm-serve, the OpenAI-compatible HTTP gateway, driven with the official openai client
+against a real engine (nvllm-launch, tiny qwen3, CPU) started once for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.e2e
+
+MODEL_NAME = "tiny-qwen3"
+PROMPTS = ["The capital of France is", "Once upon a time", "List three prime numbers:"]
+TIMEOUT_S = 30.0  # per HTTP call: the tiny model answers in well under a second
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
+    """Read the process's stdout until a line matches; fails (not hangs) past timeout_s."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return "".join(seen)
+    raise AssertionError(f"no line matching {pattern!r} in {timeout_s:.0f} s; got {seen!r}")
+
+
+def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str, list[int]]:
+    """nvllm-launch serving on a free port: (process, endpoint, worker pids)."""
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nvllm.launch.cli", "--model", model, "--tp", "1",
+             "--device", "cpu", "--dtype", "float32", "--port", "0", "--log-level", "WARNING"],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out = read_until(proc, r"serving on tcp://", 120)
+    except BaseException:
+        stop_process(proc, signal.SIGINT)
+        raise
+    endpoint = re.search(r"serving on (tcp://\S+);", out).group(1)
+    pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", out).group(1).split(",")]
+    return proc, endpoint, pids
+
+
+def stop_process(proc: subprocess.Popen, sig: int) -> None:
+    """Signal by pid, wait; SIGKILL what does not exit in time."""
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    if proc.stdout:
+        proc.stdout.close()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{base}/health", timeout=3).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{base}/health never answered 200 in {timeout_s:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny, procs, tmp_path_factory):
+    from nvllm.launch.http_gateway import start_gateway_process
+
+    model = tiny("qwen3")
+    logs = tmp_path_factory.mktemp("gateway-logs")
+    engine, endpoint, workers = start_engine(model, str(logs / "engine.log"))
+    gateway = None
+    try:
+        port = free_port()
+        with open(logs / "gateway.log", "w") as log:
+            gateway = start_gateway_process(endpoint, "127.0.0.1", port, MODEL_NAME,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, gateway, 60)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=TIMEOUT_S,
+                               max_retries=0)
+        yield SimpleNamespace(model=model, endpoint=endpoint, base=base, client=client)
+    finally:
+        if gateway is not None:
+            stop_process(gateway, signal.SIGTERM)
+        stop_process(engine, signal.SIGINT)
+        for pid in [engine.pid, *workers] + ([gateway.pid] if gateway else []):
+            assert not procs.pid_alive(pid), f"process {pid} outlived the test module"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.model)
+
+
+@pytest.fixture(scope="module")
+def offline(server):
+    """Greedy texts of PROMPTS from the offline API (same checkpoint, float32)."""
+    from nvllm import LLM, SamplingParams
+
+    with LLM(server.model, device="cpu", dtype="float32") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)
+    return [o.text for o in outs]
+
+
+GREEDY = {"temperature": 0, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
+
+
+def completion_text(server, prompt, **kw) -> str:
+    return server.client.completions.create(model=MODEL_NAME, prompt=prompt,
+                                            **{**GREEDY, **kw}).choices[0].text
+
+
+def stream_completion(server, **kw) -> tuple[str, list]:
+    chunks = list(server.client.completions.create(model=MODEL_NAME, stream=True, **kw))
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+def abort_count(server) -> float:
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    m = re.search(r'^nvllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)',
+                  text, re.M)
+    assert m, "the leader's metrics have no abort counter"
+    return float(m.group(1))
+
+
+def wait_abort_count(server, at_least: float, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (n := abort_count(server)) < at_least:
+        assert time.monotonic() < deadline, f"abandoned requests not aborted: {n} < {at_least}"
+        time.sleep(0.1)
+
+
+# ---- plain routes ------------------------------------------------------------------------
+
+
+def test_models_health_metrics(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    r = httpx.get(f"{server.base}/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = httpx.get(f"{server.base}/metrics", timeout=10)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "nvllm:request_success_total" in r.text  # the leader's metrics
+    assert 'nvllm_gateway_http_requests_total{route="/health",status="200"}' in r.text
+
+
+# ---- completions ---------------------------------------------------------------------------
+
+
+def test_greedy_matches_offline_llm(server, offline):
+    # One batch request: choices come back in prompt order.
+    resp = server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS, **GREEDY)
+    assert [c.index for c in resp.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in resp.choices] == offline
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.completion_tokens == 16 * len(PROMPTS)
+    # Streaming yields the same text, ending with the finish reason.
+    text, chunks = stream_completion(server, prompt=PROMPTS[0], **GREEDY)
+    assert text == offline[0]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_token_id_prompt_and_usage(server, tokenizer, offline):
+    ids = tokenizer(PROMPTS[1]).input_ids
+    resp = server.client.completions.create(model=MODEL_NAME, prompt=ids, **GREEDY)
+    assert resp.choices[0].text == offline[1]
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == 16
+    assert resp.usage.total_tokens == len(ids) + 16
+
+
+def test_stop_strings(server):
+    full = completion_text(server, PROMPTS[1])
+    # A stop string from the middle of the greedy text: its first occurrence is at i.
+    i, stop = next((i, full[i:i + 3]) for i in range(2, len(full) - 3)
+                   if full.find(full[i:i + 3]) == i and full[i:i + 3].strip()
+                   and "\ufffd" not in full[i:i + 3])
+    cut = server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], stop=stop,
+                                           **GREEDY).choices[0]
+    assert cut.text == full[:i] and stop not in cut.text
+    assert cut.finish_reason == "stop"
+    text, chunks = stream_completion(server, prompt=PROMPTS[1], stop=[stop, "\x00never"],
+                                     **GREEDY)
+    assert text == full[:i]
+    assert not any(stop in c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = completion_text(server, PROMPTS[1], stop=stop,
+                           extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept == full[:i + len(stop)]
+
+
+def test_batch_with_n(server, tokenizer):
+    kw = {"temperature": 0.8, "seed": 7, "max_tokens": 5, "extra_body": {"ignore_eos": True}}
+    resp = server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=2, **kw)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.prompt_tokens == sum(len(tokenizer(p).input_ids) for p in PROMPTS[:2])
+    assert resp.usage.completion_tokens == 4 * 5
+    # Completion 0 of a seeded request is the n=1 request with that seed.
+    one = server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], **kw)
+    by_index = {c.index: c.text for c in resp.choices}
+    assert by_index[2] == one.choices[0].text
+    # Streamed: every choice index gets its text and exactly one finish reason.
+    chunks = list(server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=2,
+                                                   stream=True, **kw))
+    texts: dict[int, str] = {}
+    finishes: dict[int, list] = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finishes.setdefault(ch.index, []).append(ch.finish_reason)
+    assert texts == by_index
+    assert finishes == {k: ["length"] for k in range(4)}
+
+
+def test_seeded_sampling_is_reproducible(server):
+    kw = {"temperature": 1.0, "top_p": 0.95, "seed": 1234, "max_tokens": 12,
+          "extra_body": {"ignore_eos": True}}
+    a = completion_text(server, PROMPTS[2], **kw)
+    b = completion_text(server, PROMPTS[2], **kw)
+    streamed, _ = stream_completion(server, prompt=PROMPTS[2], **kw)
+    assert a == b == streamed
+    others = {completion_text(server, PROMPTS[2], **{**kw, "seed": s}) for s in (1, 2, 3)}
+    assert len(others | {a}) > 1, "different seeds never changed the sample"
+
+
+def test_completion_logprobs(server):
+    resp = server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], logprobs=3,
+                                            **{**GREEDY, "max_tokens": 8})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert isinstance(token, str) and value <= 0
+        assert 1 <= len(top) <= 4
+        assert value == pytest.approx(max(top.values()))  # greedy picks the top token
+    # Streamed logprobs cover every token too, with offsets continuing across chunks.
+    chunks = list(server.client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0],
+                                                   logprobs=3, stream=True,
+                                                   **{**GREEDY, "max_tokens": 8}))
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+# ---- chat ----------------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "You are brief."},
+            {"role": "user", "content": "What is two plus three?"}]
+
+
+def test_chat_matches_templated_completion(server, tokenizer):
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(ids, add_special_tokens=False).input_ids
+    want = completion_text(server, ids)
+    resp = server.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                                 **GREEDY)
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and msg.content == want
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 16
+    assert resp.object == "chat.completion" and resp.model == MODEL_NAME
+
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_chat_logprobs_and_max_completion_tokens(server):
+    resp = server.client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, max_completion_tokens=6,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 6
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert isinstance(item.bytes, list)
+
+
+# ---- errors and aborts ---------------------------------------------------------------------
+
+
+BAD_BODIES = [
+    ("/v1/completions", b'{"prompt": "hi", ', 400),  # not JSON
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400),
+    ("/v1/completions", {"max_tokens": 4}, 400),  # no prompt
+    ("/v1/completions", {"prompt": ["a", [1, 2]]}, 400),  # mixed batch
+    ("/v1/completions", {"prompt": []}, 400),
+    ("/v1/completions", {"prompt": [5000]}, 400),  # outside the vocabulary (leader)
+    ("/v1/completions", {"prompt": [5] * 2000}, 400),  # over max_model_len (leader)
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400),
+]
+
+
+@pytest.mark.parametrize("route,body,status", BAD_BODIES,
+                         ids=[f"{i}" for i in range(len(BAD_BODIES))])
+def test_invalid_requests_get_openai_errors(server, route, body, status):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.base}{route}", timeout=TIMEOUT_S,
+                   headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_errors_through_the_openai_client_and_server_keeps_serving(server, offline):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL_NAME, prompt=[5] * 2000, max_tokens=4)
+    assert "max_model_len" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="gpt-5", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                              temperature=7)
+    assert completion_text(server, PROMPTS[0]) == offline[0]
+
+
+def test_disconnected_clients_abort_their_requests(server):
+    # Long enough (4 prompts x 2 completions x 1000 tokens: seconds of work) that nothing
+    # finishes by itself before the client hangs up; each prompt is one leader request.
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[:2] * 2, "n": 2, "max_tokens": 1000,
+            "ignore_eos": True}
+    before = abort_count(server)
+    # Streaming: read one event, then hang up.
+    with httpx.stream("POST", f"{server.base}/v1/completions", json={**body, "stream": True},
+                      timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200
+        first = next(r.iter_lines())
+        assert first.startswith("data: ") and json.loads(first[6:])["choices"]
+    wait_abort_count(server, before + 4)
+    # Non-streaming: the client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}/v1/completions", json=body, timeout=0.5)
+    wait_abort_count(server, before + 8)
+    # Chat, streaming.
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=TIMEOUT_S,
+                      json={"messages": MESSAGES, "stream": True, "n": 4, "max_tokens": 900,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    wait_abort_count(server, before + 9)
+
+
+# ---- in-process app: auth and an unreachable leader ----------------------------------------
+
+
+def test_api_key(server):
+    from fastapi.testclient import TestClient
+
+    from nvllm.launch.http_gateway import GatewayConfig, create_app
+
+    app = create_app(GatewayConfig(server.endpoint, MODEL_NAME, api_key="sekret"))
+    with TestClient(app) as c:
+        r = c.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL_NAME
+        assert c.get("/health").status_code == 200  # only /v1/* needs the key
+
+
+def test_health_503_when_the_leader_does_not_answer():
+    from fastapi.testclient import TestClient
+
+    from nvllm.launch.http_gateway import GatewayConfig, create_app
+
+    app = create_app(GatewayConfig(f"tcp://127.0.0.1:{free_port()}"))
+    with TestClient(app) as c:
+        t0 = time.monotonic()
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert time.monotonic() - t0 < 5
