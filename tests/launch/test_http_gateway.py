@@ -428,3 +428,32 @@ def test_health_503_when_the_leader_does_not_answer():
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
         assert time.monotonic() - t0 < 5
+
+
+def test_metrics_move_with_a_known_workload(server, tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def read() -> dict[str, float]:
+        text = httpx.get(f"{server.base}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = s.name + "".join(f"/{v}" for k, v in sorted(s.labels.items())
+                                       if k == "finished_reason")
+                out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    before = read()
+    prompt = "Zebra quartz metrics probe, unlike any other prompt in this module."
+    n_prompt = len(tokenizer(prompt).input_ids)
+    completion_text(server, prompt)  # 16 tokens, finish_reason "length"
+    after = read()
+    assert after["nvllm:generation_tokens_total"] - before["nvllm:generation_tokens_total"] == 16
+    assert after["nvllm:prompt_tokens_total"] - before["nvllm:prompt_tokens_total"] == n_prompt
+    assert (after["nvllm:request_success_total/length"]
+            - before.get("nvllm:request_success_total/length", 0.0)) == 1
+    assert (after["nvllm:time_to_first_token_seconds_count"]
+            - before["nvllm:time_to_first_token_seconds_count"]) == 1
+    assert (after["nvllm:prefix_cache_queries_total"]
+            - before["nvllm:prefix_cache_queries_total"]) == n_prompt
+    assert after["nvllm:num_requests_running"] == 0
