@@ -308,7 +308,8 @@ class _State:
         if self._tokenizer is None:
             async with self._lock:
                 if self._tokenizer is None:
-                    path = self.cfg.tokenizer or str((await self.info()).get("model"))
+                    info = await self.info()
+                    path = self.cfg.tokenizer or str(info.get("model_path") or info["model"])
 
                     def load() -> Any:
                         from transformers import AutoTokenizer

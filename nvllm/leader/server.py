@@ -102,6 +102,7 @@ class EngineServer:
             e = self.engine
             return self._send(client, {
                 "op": "info", "v": PROTOCOL_VERSION, "model": self.model_name,
+                "model_path": e.config.model,
                 "max_model_len": e.config.max_model_len, "vocab_size": e.vocab_size,
                 "kv_capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size,
                 "tensor_parallel_size": e.config.tensor_parallel_size,

@@ -96,6 +96,10 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
                                                          "max_tokens": 8, "temperature": 0,
                                                          "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == out["text"]
+        # Chat needs the tokenizer, found through the leader although the name is "tiny".
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
