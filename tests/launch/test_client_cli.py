@@ -10,42 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
+from subproc import read_until, stop_process
 
 pytestmark = pytest.mark.e2e
 
 CLIENT = [sys.executable, "-m", "nvllm.launch.client_cli"]
-
-
-def read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
-    seen = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not select.select([proc.stdout], [], [], 0.5)[0]:
-            if proc.poll() is not None:
-                break
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if re.search(pattern, line):
-            return "".join(seen)
-    raise AssertionError(f"no line matching {pattern!r} in {timeout_s:.0f} s; got {seen!r}")
-
-
-def stop_process(proc: subprocess.Popen, sig: int) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, sig)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    if proc.stdout:
-        proc.stdout.close()
 
 
 @pytest.fixture(scope="module")

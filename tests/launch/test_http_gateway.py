@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from subproc import free_port, read_until, stop_process
 
 openai = pytest.importorskip("openai")
 
@@ -24,31 +23,6 @@ pytestmark = pytest.mark.e2e
 MODEL_NAME = "tiny-qwen3"
 PROMPTS = ["The capital of France is", "Once upon a time", "List three prime numbers:"]
 TIMEOUT_S = 30.0  # per HTTP call: the tiny model answers in well under a second
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
-    """Read the process's stdout until a line matches; fails (not hangs) past timeout_s."""
-    seen = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if not ready:
-            if proc.poll() is not None:
-                break
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if re.search(pattern, line):
-            return "".join(seen)
-    raise AssertionError(f"no line matching {pattern!r} in {timeout_s:.0f} s; got {seen!r}")
 
 
 def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str, list[int]]:
@@ -67,19 +41,6 @@ def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str, list
     endpoint = re.search(r"serving on (tcp://\S+);", out).group(1)
     pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", out).group(1).split(",")]
     return proc, endpoint, pids
-
-
-def stop_process(proc: subprocess.Popen, sig: int) -> None:
-    """Signal by pid, wait; SIGKILL what does not exit in time."""
-    if proc.poll() is None:
-        os.kill(proc.pid, sig)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    if proc.stdout:
-        proc.stdout.close()
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
