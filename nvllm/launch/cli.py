@@ -59,6 +59,9 @@ def resolve_model(model: str) -> str:
               help="When idle, wait this long for more arrivals before the first prefill.")
 @click.option("--client-timeout-s", default=10.0, type=float,
               help="Abort the requests of a client silent for this long.")
+@click.option("--shutdown-timeout", default=0.0, type=float,
+              help="On SIGINT/SIGTERM, let running requests finish for up to this many "
+                   "seconds before aborting them.")
 @click.option("--host", default="127.0.0.1", help="Address of the client endpoint.")
 @click.option("--port", default=0, type=int,
               help="Port of the client endpoint (0: any free port, printed at start).")
@@ -78,8 +81,9 @@ def resolve_model(model: str) -> str:
 def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
            enable_prefix_caching, attention_backend, max_queued_requests, batch_timeout_ms,
-           client_timeout_s, host, port, http_port, http_host, served_model_name, api_key,
-           prompts, demo, max_tokens, temperature, log_level) -> None:
+           client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
+           served_model_name, api_key, prompts, demo, max_tokens, temperature,
+           log_level) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes."""
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
@@ -132,7 +136,7 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
             click.echo(f"OpenAI-compatible HTTP gateway on http://{http_host}:{http_port}/v1 "
                        f"(pid {gateway.pid})")
         try:
-            server.serve(stop)
+            server.serve(stop, shutdown_timeout)
         finally:
             if gateway is not None:
                 gateway.terminate()

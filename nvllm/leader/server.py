@@ -53,6 +53,7 @@ class EngineServer:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.dead: str | None = None
+        self.draining = False  # shutting down: no new requests, in-flight ones finish
         self._owners: dict[str, _Owner] = {}  # internal request id -> who asked
         self._by_client: dict[bytes, dict[Any, str]] = defaultdict(dict)  # their id -> ours
         self._last_seen: dict[bytes, float] = {}
@@ -108,8 +109,10 @@ class EngineServer:
                 "tensor_parallel_size": e.config.tensor_parallel_size,
                 "ready": self.dead is None})
         if op == "health":
-            return self._send(client, {"op": "health", "ready": self.dead is None,
-                                       "reason": self.dead})
+            ready = self.dead is None and not self.draining
+            return self._send(client, {"op": "health", "ready": ready,
+                                       "reason": self.dead or ("shutting down" if self.draining
+                                                               else None)})
         if op == "metrics":
             return self._send(client, {"op": "metrics", "text": self.engine.metrics.exposition()})
         return self._error(client, rid, "bad_op", f"unknown op {op!r}")
@@ -119,6 +122,8 @@ class EngineServer:
             return self._error(client, None, "invalid_request", "submit needs an 'id'")
         if self.dead is not None:
             return self._error(client, rid, "engine_unavailable", self.dead)
+        if self.draining:
+            return self._error(client, rid, "engine_unavailable", "the engine is shutting down")
         if rid in self._by_client[client]:
             return self._error(client, rid, "duplicate_id",
                                f"request id {rid!r} is already in flight on this connection")
@@ -207,8 +212,10 @@ class EngineServer:
             self._handle(self.sock.recv_multipart())
             timeout_ms = 0
 
-    def serve(self, stop: threading.Event) -> None:
-        """Admit and step until `stop` is set; idle waits block on the socket."""
+    def serve(self, stop: threading.Event, shutdown_timeout_s: float = 0.0) -> None:
+        """Admit and step until `stop` is set; idle waits block on the socket. Then stop
+        admitting, let in-flight requests finish for up to shutdown_timeout_s, and abort
+        the rest (each client still gets its final message)."""
         batch_wait = self.engine.config.batch_timeout_ms / 1000.0
         while not stop.is_set():
             busy = self.dead is None and self.engine.has_unfinished_requests()
@@ -218,12 +225,24 @@ class EngineServer:
                 deadline = time.monotonic() + batch_wait
                 while (left := deadline - time.monotonic()) > 0:
                     self._drain(max(1, int(left * 1000)))
-            self._sweep_silent_clients()
-            if self.dead is None and self.engine.has_unfinished_requests():
-                try:
-                    self._emit(self.engine.step().deltas)
-                except EngineDeadError as e:
-                    self._fail_everything(str(e))
+            self._step()
+        self.draining = True
+        deadline = time.monotonic() + shutdown_timeout_s
+        while (self.dead is None and self.engine.has_unfinished_requests()
+               and time.monotonic() < deadline):
+            self._drain(0)
+            self._step()
+        for rid in list(self.engine.requests):
+            self._emit(self.engine.abort_request(rid).deltas)
+        self._drain(0)
+
+    def _step(self) -> None:
+        self._sweep_silent_clients()
+        if self.dead is None and self.engine.has_unfinished_requests():
+            try:
+                self._emit(self.engine.step().deltas)
+            except EngineDeadError as e:
+                self._fail_everything(str(e))
 
     def close(self) -> None:
         self.sock.close(0)

@@ -273,3 +273,50 @@ def test_batch_timeout_gathers_arrivals_into_the_first_prefill(tiny):
         assert plans[0] == 3, f"first plan admitted {plans[0]} of 3 requests"
     finally:
         teardown(s)
+
+
+def test_worker_death_ends_requests_with_engine_unavailable(tiny):
+    llm = LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2)
+    s = serve(llm)
+    try:
+        with Client(s.endpoint, timeout_s=60) as c:
+            c._send({"op": "submit", "id": "r", "prompt": "A long story",
+                     "params": {**GREEDY, "max_tokens": 900}})
+            assert c._wait_for("r", ())["finish_reason"] is None  # running
+            t0 = time.monotonic()
+            os.kill(llm.worker_pids[1], signal.SIGKILL)
+            while (m := c._wait_for("r", ()))["op"] == "output":
+                assert m["finish_reason"] is None
+            assert m["op"] == "error" and m["code"] == "engine_unavailable"
+            assert "rank 1" in m["message"] and time.monotonic() - t0 < 5
+            health = c.health()
+            assert health["ready"] is False and "rank 1" in health["reason"]
+            c._send({"op": "submit", "id": "after", "prompt": "x", "params": GREEDY})
+            assert c._wait_for("after", ())["code"] == "engine_unavailable"
+    finally:
+        teardown(s)
+
+
+@pytest.mark.parametrize("grace_s,expected", [(30.0, "length"), (0.0, "abort")])
+def test_shutdown_drains_or_aborts(tiny, grace_s, expected):
+    llm = LLM(tiny("qwen3"), device="cpu", dtype="float32")
+    server = EngineServer(llm.engine)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop, grace_s), daemon=True)
+    thread.start()
+    try:
+        with Client(server.endpoint, timeout_s=60) as c:
+            c._send({"op": "submit", "id": "r", "prompt": "A story",
+                     "params": {**GREEDY, "max_tokens": 60}})
+            assert c._wait_for("r", ())["finish_reason"] is None
+            stop.set()  # what SIGTERM does in nvllm-launch
+            while (m := c._wait_for("r", ()))["finish_reason"] is None:
+                pass
+            assert m["finish_reason"] == expected
+            thread.join(30)
+            assert not thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(30)
+        server.close()
+        llm.shutdown()
