@@ -38,7 +38,8 @@ def worker_pids_of(parent: int) -> list[int]:
     pids = []
     for line in out.splitlines():
         pid, ppid, stat, args = line.split(None, 3)
-        if int(ppid) == parent and "nvllm.worker.main" in args and not stat.startswith("Z"):
+        is_worker = "nvllm.worker.main" in args or args.startswith("nvllm-worker-")
+        if int(ppid) == parent and is_worker and not stat.startswith("Z"):
             pids.append(int(pid))
     return pids
 
@@ -66,7 +67,13 @@ def no_leftovers():
     assert shm_entries() - before == set(), "shared-memory segments left after the suite"
 
 
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 class ProcUtils:
+    cmdline = staticmethod(cmdline)
     worker_pids_of = staticmethod(worker_pids_of)
     pid_alive = staticmethod(pid_alive)
     shm_entries = staticmethod(shm_entries)

@@ -25,3 +25,13 @@ def die_with_parent(parent_pid: int) -> None:
             time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def set_process_title(title: str) -> None:
+    """Name this process for operators (`ps`, `top`): nvllm-leader, nvllm-worker-<rank>, ..."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # optional nicety: without it the process keeps python's name
+        pass

@@ -88,6 +88,9 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams
+    from nvllm.common.proc import set_process_title
+
+    set_process_title("nvllm-leader")
 
     t0 = time.perf_counter()
     llm = LLM(resolve_model(model), tensor_parallel_size=tp, device=device, dtype=dtype,

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nvllm.common.client import AsyncClient, ClientError, StreamDelta
 from nvllm.common.errors import EngineDeadError, RequestRejected
-from nvllm.common.proc import die_with_parent
+from nvllm.common.proc import die_with_parent, set_process_title
 
 logger = logging.getLogger("nvllm.gateway")
 
@@ -963,6 +963,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: str | None,
          tokenizer: str | None, log_level: str) -> None:
     """OpenAI-compatible HTTP server for a running nvllm engine."""
+    set_process_title("nvllm-http")
     if os.environ.get("NVLLM_PARENT_PID"):  # started by nvllm-launch: go when it goes
         die_with_parent(int(os.environ["NVLLM_PARENT_PID"]))
     import uvicorn

@@ -25,7 +25,7 @@ import zmq
 from nvllm.common import protocol
 from nvllm.common.config import EngineConfig, ModelInfo
 from nvllm.common.errors import ProtocolError
-from nvllm.common.proc import die_with_parent
+from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.zmq_utils import make_socket
 from nvllm.worker.model_runner import ModelRunner
 from nvllm.worker.parallel import TPContext
@@ -105,6 +105,7 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("NVLLM_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s nvllm-worker-{spec['rank']} %(levelname)s "
                                "%(message)s")
+    set_process_title(f"nvllm-worker-{spec['rank']}")
     if spec.get("parent_pid"):
         die_with_parent(spec["parent_pid"])
     # The launcher stops workers with SIGTERM; Ctrl-C in a terminal reaches the whole

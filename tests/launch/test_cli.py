@@ -59,6 +59,9 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
         assert endpoint.startswith("tcp://127.0.0.1:")
         pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", text).group(1).split(",")]
         assert all(procs.pid_alive(p) for p in pids)
+        # Each process names itself for `ps`.
+        assert procs.cmdline(proc.pid).startswith("nvllm-leader")
+        assert [procs.cmdline(p) for p in pids] == ["nvllm-worker-0", "nvllm-worker-1"]
         sock.connect(endpoint)
 
         def ask(msg, raw=False):
@@ -91,6 +94,7 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
                 pass
             assert time.monotonic() < deadline, "gateway never became healthy"
             time.sleep(0.2)
+        assert procs.cmdline(gateway_pid).startswith("nvllm-http")
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
         r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hello",
                                                          "max_tokens": 8, "temperature": 0,
