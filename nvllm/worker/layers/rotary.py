@@ -36,7 +36,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.backend = backend
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = t[:, None] * inv_freq[None, :]
+        freqs = t[:, None] * inv_freq.to(t.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
