@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""nvllm vs HF transformers on one CPU/GPU, same checkpoint and workload, in one run.
+
+Prints each throughput and the ratios: nvllm (tp=1) against HF static ``generate`` (one
+left-padded batch) and HF ``generate_batch`` (its continuous batching), and the model
+FLOP utilization against a matmul probe of the model's own shape measured in the same run.
+Only the tokens each request asked for count as output (HF's batched runs generate the
+longest request's length for every row: that padding is what continuous batching avoids).
+
+    python scripts/bench_vs_hf.py [--num-seqs 48] [--input 32 512] [--output 32 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+
+def probe_gflops(hidden: int, inter: int, tokens: int, dtype: torch.dtype) -> float:
+    a = torch.randn(tokens, hidden, dtype=dtype)
+    b = torch.randn(hidden, inter, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:
+        a @ b
+        n += 1
+    return 2 * tokens * hidden * inter * n / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-seqs", type=int, default=48)
+    ap.add_argument("--input", type=int, nargs=2, default=(32, 512))
+    ap.add_argument("--output", type=int, nargs=2, default=(32, 256))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-generate-batch", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from nvllm import LLM, SamplingParams
+    from nvllm.launch.tiny import make_tiny_checkpoint
+
+    # A Qwen3-shaped checkpoint of ~42M parameters.
+    shape = dict(arch="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536,
+                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=64, max_position_embeddings=2048)
+    model_dir = make_tiny_checkpoint(tempfile.mkdtemp(prefix="nvllm-bench-"), **shape)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, 16384) for _ in range(rng.randint(*args.input))]
+               for _ in range(args.num_seqs)]
+    outs = [rng.randint(*args.output) for _ in range(args.num_seqs)]
+    n_in, n_out = sum(map(len, prompts)), sum(outs)
+    res: dict = {"workload": {"seqs": args.num_seqs, "prompt_tokens": n_in,
+                              "output_tokens": n_out}}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in hf.parameters())
+    res["params"] = params
+
+    # nvllm, tp=1.
+    with LLM(str(model_dir), device="cpu", dtype="float32") as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+                            for o in outs], use_tqdm=False)
+        dt = time.perf_counter() - t0
+    assert sum(len(g.token_ids) for g in got) == n_out
+    res["nvllm"] = {"s": dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt}
+
+    # HF static generate: one left-padded batch, every row runs to the longest output.
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs),
+                    min_new_tokens=max(outs), pad_token_id=0)
+        dt = time.perf_counter() - t0
+    res["hf_static"] = {"s": dt, "output_tok_s": n_out / dt}
+
+    if not args.skip_generate_batch:
+        cfg = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1,
+                               pad_token_id=0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            hf.generate_batch(prompts, generation_config=cfg, warmup=False)
+            dt = time.perf_counter() - t0
+        res["hf_generate_batch"] = {"s": dt, "output_tok_s": n_out / dt}
+
+    gflops = probe_gflops(shape["hidden_size"], shape["intermediate_size"], 256, torch.float32)
+    res["probe_gflops"] = gflops
+    res["nvllm_mfu"] = 2 * params * (n_in + n_out) / res["nvllm"]["s"] / 1e9 / gflops
+    res["ratio_vs_hf_static"] = res["nvllm"]["output_tok_s"] / res["hf_static"]["output_tok_s"]
+    if "hf_generate_batch" in res:
+        res["ratio_vs_hf_generate_batch"] = (res["nvllm"]["output_tok_s"]
+                                             / res["hf_generate_batch"]["output_tok_s"])
+    print(json.dumps(res, indent=2))
+    print(f"nvllm {res['nvllm']['output_tok_s']:.1f} output tok/s = "
+          f"{res['ratio_vs_hf_static']:.2f}x HF static generate"
+          + (f", {res['ratio_vs_hf_generate_batch']:.2f}x HF generate_batch"
+             if "hf_generate_batch" in res else "")
+          + f"; MFU {res['nvllm_mfu']:.2f} of a {gflops:.0f} GFLOP/s matmul probe")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
