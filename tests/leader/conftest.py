@@ -11,8 +11,8 @@ def make_sim():
     """Sim factory; after the test every sequence is aborted and no block may be held."""
     sims: list[Sim] = []
 
-    def factory(*args, **kwargs) -> Sim:
-        sims.append(Sim(*args, **kwargs))
+    def factory(*args, sim_class: type[Sim] = Sim, **kwargs) -> Sim:
+        sims.append(sim_class(*args, **kwargs))
         return sims[-1]
 
     yield factory

@@ -68,18 +68,8 @@ class PrioSim(Sim):
 
 
 @pytest.fixture
-def make_psim():
-    sims: list[PrioSim] = []
-
-    def factory(*args, **kwargs) -> PrioSim:
-        sims.append(PrioSim(*args, **kwargs))
-        return sims[-1]
-
-    yield factory
-    for sim in sims:
-        sim.drain()
-        sim.check_ref_counts()
-        assert_no_leak(sim.kv)
+def make_psim(make_sim):
+    return lambda *args, **kwargs: make_sim(*args, sim_class=PrioSim, **kwargs)
 
 
 def scheduled(out: SchedulerOutput) -> list[tuple[int, int]]:
