@@ -200,3 +200,31 @@ def test_two_engines_side_by_side(tiny):
         out_a = a.generate("Hello there", p, use_tqdm=False)[0].token_ids
         out_b = b.generate("Hello there", p, use_tqdm=False)[0].token_ids
     assert out_a == out_b and len(out_a) == 8
+
+
+def test_garbage_on_the_result_socket_changes_nothing(llm):
+    """Frames that are not a worker's answer are dropped (never unpickled); the engine
+    keeps serving with the same outputs."""
+    import pickle
+
+    import msgpack
+    import zmq
+
+    from nvllm.common import protocol
+
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(llm._workers.client.result_endpoint)
+    for frame in (b"\xc1garbage", pickle.dumps({"x": 1}), msgpack.packb([99, 1, 2]),
+                  msgpack.packb([11, "not an int", [], [], None, 0.0]),
+                  protocol.encode(protocol.StepResult(10**9, [0], [5], None, 0.0))):
+        sock.send(frame)
+    sock.close()
+    ctx.term()
+    time.sleep(0.2)
+    after = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
+    assert after == before
+    assert_no_blocks_held(llm)
