@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -103,6 +104,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._step_ids = itertools.count(1)
         self._pending_drops: list[int] = []
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
         self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
@@ -171,6 +173,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, priority=priority)
         if ttl_ms is not None:
             req.deadline = req.arrival_time + ttl_ms / 1000.0
+            heapq.heappush(self._deadlines, (req.deadline, request_id))
         for i in range(params.n):
             p = params if params.n == 1 or params.seed is None else params.clone(
                 seed=(params.seed + i) % 2**63)
@@ -253,13 +256,17 @@ class LLMEngine:
         return out
 
     def _expire(self) -> EngineOutput:
+        """End requests whose TTL ran out; a heap keeps this off the per-step hot path."""
         out = EngineOutput()
         now = time.monotonic()
-        for req in [r for r in self.requests.values()
-                    if r.deadline is not None and now >= r.deadline]:
-            part = self.abort_request(req.request_id, "timeout")
-            out.deltas += part.deltas
-            out.finished += part.finished
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self.requests:  # else it finished (or its id was reused) already
+                req = self.requests[rid]
+                if req.deadline is not None and req.deadline <= now:
+                    part = self.abort_request(rid, "timeout")
+                    out.deltas += part.deltas
+                    out.finished += part.finished
         return out
 
     def _export_stats(self, prompt_tokens: int, num_sampled: int) -> None:
