@@ -1,6 +1,7 @@
 """The one dispatch point for every kernel: the worker calls these, passing its backend.
 
-``"torch"`` runs the reference twins (``reference.py``); ``"triton"`` runs the Triton
+``"torch"`` runs the reference twins (``reference.py``; attention batches its decode rows,
+``torch_attention.py``); ``"triton"`` runs the Triton
 kernels (on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``). ``"auto"`` is
 resolved once at start-up by ``resolve_backend``: Triton on CUDA, torch on CPU.
 """
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-from nvllm.kernels import reference
+from nvllm.kernels import reference, torch_attention
 from nvllm.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "triton")
@@ -59,7 +60,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     backend: str = "torch") -> torch.Tensor:
     if backend == "triton":
         return _triton_attention().paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    return torch_attention.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def rms_norm(x, weight, eps: float, backend: str = "torch") -> torch.Tensor:
