@@ -1,7 +1,6 @@
 """The one dispatch point for every kernel: the worker calls these, passing its backend.
 
-``"torch"`` runs the reference twins (``reference.py``; attention batches its decode rows,
-``torch_attention.py``); ``"triton"`` runs the Triton
+``"torch"`` runs the reference twins (``reference.py``); ``"triton"`` runs the Triton
 kernels (on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``). ``"auto"`` is
 resolved once at start-up by ``resolve_backend``: Triton on CUDA, torch on CPU.
 """
@@ -13,7 +12,7 @@ import os
 
 import torch
 
-from nvllm.kernels import reference, torch_attention
+from nvllm.kernels import reference
 from nvllm.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "triton")
@@ -60,7 +59,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                     backend: str = "torch") -> torch.Tensor:
     if backend == "triton":
         return _triton_attention().paged_attention(q, k_cache, v_cache, meta, scale)
-    return torch_attention.paged_attention(q, k_cache, v_cache, meta, scale)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def rms_norm(x, weight, eps: float, backend: str = "torch") -> torch.Tensor:
