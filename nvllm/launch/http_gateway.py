@@ -445,6 +445,18 @@ async def _unless_disconnected(request: Request, aw: Any, on_disconnect: Callabl
         raise
 
 
+async def _await_leader(request: Request, fan: _Fanout, aw: Any) -> Any:
+    """Await leader work for `fan` while watching the HTTP connection: a hang-up cancels
+    the fan-out (raises _Disconnected); a leader error cancels it and becomes an ApiError."""
+    try:
+        return await _unless_disconnected(request, aw, fan.cancel)
+    except _Disconnected:
+        raise
+    except Exception as e:
+        fan.cancel()
+        raise _from_leader(e) from e
+
+
 @dataclass
 class _Acc:
     """One completion's output, accumulated from its deltas."""
@@ -717,14 +729,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     async def start(request: Request, jobs: list[_Job]) -> _Fanout:
         fan = _Fanout(state.client, jobs)
-        try:
-            await _unless_disconnected(request, fan.first(), fan.cancel)
-            return fan
-        except _Disconnected:
-            raise
-        except Exception as e:
-            fan.cancel()
-            raise _from_leader(e) from e
+        await _await_leader(request, fan, fan.first())
+        return fan
 
     def include_usage(body: _SamplingBody) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
@@ -803,12 +809,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             return _EventStream(events(), fan)
 
         try:
-            accs = await _unless_disconnected(request, _collect(fan), fan.cancel)
+            accs = await _await_leader(request, fan, _collect(fan))
         except _Disconnected:
             return Response(status_code=499)
-        except Exception as e:
-            fan.cancel()
-            raise _from_leader(e) from e
         choices = []
         for (i, k), a in sorted(accs.items()):
             choices.append({"index": i * n + k, "text": a.text,
@@ -899,12 +902,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             return _EventStream(events(), fan)
 
         try:
-            accs = await _unless_disconnected(request, _collect(fan), fan.cancel)
+            accs = await _await_leader(request, fan, _collect(fan))
         except _Disconnected:
             return Response(status_code=499)
-        except Exception as e:
-            fan.cancel()
-            raise _from_leader(e) from e
         choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
                     "logprobs": logprobs_of(a.token_ids, a.logprobs),
                     "finish_reason": _finish(a.finish_reason)}
