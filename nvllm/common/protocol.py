@@ -16,8 +16,6 @@ import msgpack
 
 from nvllm.common.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
-
 # Field type specs: "int", "float", "str", "bool", "any", "ints" (list of int),
 # "?int" (int or None), a message class (nested), or [cls] (list of nested).
 

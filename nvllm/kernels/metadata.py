@@ -27,10 +27,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
-
 
 def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device | str = "cpu",

@@ -398,12 +398,12 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "error")
 
-    def _make_output(self, req: Request, error: str | None = None) -> RequestOutput:
+    def _make_output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(s.index, s.output_token_ids,
                                  "" if d is None else d.text, s.finish_reason, s.logprobs)
                 for s, d in zip(req.seqs, req.detoks)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
-                             finished=True, error=error,
+                             finished=True,
                              num_cached_tokens=req.num_cached_tokens)
 
     def shutdown(self) -> None:
