@@ -15,11 +15,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nvllm.common.config import EngineConfig
+from nvllm.common.config import DistConfig, EngineConfig
 from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.launch.spawn import LocalWorkers, start_local_workers
+from nvllm.launch.spawn import WorkerGroup, start_worker_group
 from nvllm.leader.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,9 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, skip_tokenizer_init: bool = False,
-                 **kwargs: Any) -> None:
+                 dist: DistConfig | None = None, **kwargs: Any) -> None:
+        """`dist` places workers on other nodes (or leaves them to torchrun/srun); the
+        default starts every worker on this host. Other kwargs are EngineConfig fields."""
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(
@@ -44,7 +46,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, **kwargs).finalize()
         self.tokenizer = (None if skip_tokenizer_init
                           else AutoTokenizer.from_pretrained(self.config.model))
-        self._workers: LocalWorkers | None = start_local_workers(self.config)
+        self._workers: WorkerGroup | None = start_worker_group(self.config, dist)
         # Stop the workers even if the user forgets shutdown() (or the interpreter exits).
         self._finalizer = weakref.finalize(self, self._workers.stop)
         atexit.register(self._finalizer)

@@ -102,7 +102,9 @@ class EngineConfig:
     client_timeout_s: float = 10.0  # a silent client's requests are aborted after this
     log_stats_interval_s: float = 5.0
     worker_start_timeout_s: float = 300.0
-    step_timeout_s: float = 600.0
+    step_timeout_s: float = 600.0  # watchdog: a step with no result by then is an error
+    # Workers and leader ping each other; this much silence means the other side is gone.
+    heartbeat_timeout_s: float = 4.0
     model_info: ModelInfo | None = field(default=None, repr=False)
 
     def finalize(self) -> EngineConfig:
@@ -175,6 +177,51 @@ class EngineConfig:
         d = asdict(self)
         d.pop("model_info")
         return d
+
+
+@dataclass(slots=True)
+class DistConfig:
+    """Where the workers of one engine run: this host only, or several nodes.
+
+    One node (the default) rendezvous through a private FileStore: no port. Several nodes,
+    or workers started by torchrun/SLURM (``leader_only``), rendezvous through a TCPStore
+    at master_addr:master_port; the leader publishes its step-plan endpoints there.
+    """
+
+    nnodes: int = 1
+    nproc_per_node: int | None = None  # workers per node (default: tp / nnodes)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    leader_only: bool = False  # every worker is started elsewhere (torchrun, srun)
+    curve_key_dir: str | None = None  # CURVE keys for the leader<->worker sockets
+
+    @property
+    def uses_store(self) -> bool:
+        return self.nnodes > 1 or self.leader_only
+
+    def local_ranks(self, tp: int) -> range:
+        """Ranks this (leader) node starts itself."""
+        if self.leader_only:
+            return range(0)
+        return range(self.per_node(tp))
+
+    def per_node(self, tp: int) -> int:
+        n = self.nproc_per_node or tp // self.nnodes
+        if n < 1 or n * self.nnodes != tp:
+            raise ValueError(
+                f"--tp {tp} does not split into {self.nnodes} nodes of {n} workers: make tp "
+                "a multiple of nnodes (or set --nproc-per-node so nnodes x nproc = tp)")
+        return n
+
+    def validate(self, tp: int) -> DistConfig:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if self.uses_store and not 0 < self.master_port < 65536:
+            raise ValueError("several nodes need a rendezvous port: pass --master-port "
+                             "(a free TCP port on the master node)")
+        if not self.leader_only:
+            self.per_node(tp)
+        return self
 
 
 def _detect_device() -> str:

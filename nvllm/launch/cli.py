@@ -8,6 +8,7 @@ throughput, and exits; otherwise it serves clients on a ZMQ endpoint (``--host``
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -33,9 +34,10 @@ def resolve_model(model: str) -> str:
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True,
+@click.option("--model", default=None,
               help="HF-format checkpoint folder, or tiny:NAME (e.g. tiny:qwen3) for a "
-                   "built-in random checkpoint.")
+                   "built-in random checkpoint. Required on node rank 0; on other nodes it "
+                   "overrides the leader's path (where the checkpoint lives elsewhere).")
 @click.option("--tp", "--tensor-parallel-size", "tp", default=1, type=int,
               help="Number of tensor-parallel worker processes.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
@@ -72,6 +74,26 @@ def resolve_model(model: str) -> str:
               help="Model name for HTTP clients (default: the model path).")
 @click.option("--api-key", default=None, envvar="NVLLM_API_KEY",
               help="Require 'Authorization: Bearer KEY' on the gateway's /v1 routes.")
+@click.option("--nnodes", default=1, type=int, help="Nodes the tensor-parallel group spans.")
+@click.option("--node-rank", default=0, type=int,
+              help="This node's rank: 0 runs the leader and its workers, others only workers.")
+@click.option("--nproc-per-node", default=None, type=int,
+              help="Workers on each node (default: tp / nnodes).")
+@click.option("--master-addr", default="127.0.0.1",
+              help="Address of node 0, where the leader hosts the rendezvous store.")
+@click.option("--master-port", default=0, type=int,
+              help="Rendezvous port on node 0 (needed with several nodes).")
+@click.option("--leader-only", is_flag=True,
+              help="Start no workers: every rank joins from torchrun or srun "
+                   "(python -m nvllm.launch.worker does this for you).")
+@click.option("--curve-key-dir", default=None, envvar="NVLLM_CURVE_KEY_DIR",
+              help="CURVE keys (made by nvllm-keys) for the client endpoint and the "
+                   "leader<->worker sockets; required when binding beyond loopback.")
+@click.option("--heartbeat-timeout", default=4.0, type=float,
+              help="Seconds of heartbeat silence after which a worker (or, seen from a "
+                   "worker, the leader) counts as dead.")
+@click.option("--step-timeout", default=600.0, type=float,
+              help="Watchdog: a step without a result after this many seconds is an error.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
 @click.option("--max-tokens", default=32, type=int)
@@ -82,15 +104,40 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
            enable_prefix_caching, attention_backend, max_queued_requests, batch_timeout_ms,
            client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
-           served_model_name, api_key, prompts, demo, max_tokens, temperature,
-           log_level) -> None:
-    """Start an nvllm engine: one leader (this process) and TP worker processes."""
+           served_model_name, api_key, nnodes, node_rank, nproc_per_node, master_addr,
+           master_port, leader_only, curve_key_dir, heartbeat_timeout, step_timeout, prompts,
+           demo, max_tokens, temperature, log_level) -> None:
+    """Start an nvllm engine: one leader (this process) and TP worker processes.
+
+    With --nnodes M, run it once per node: node rank 0 runs the leader and its workers,
+    the others (--node-rank 1..M-1) only their workers.
+    """
+    from nvllm.common.config import DistConfig
+    from nvllm.common.proc import set_process_title
+
+    dist = DistConfig(nnodes=nnodes, nproc_per_node=nproc_per_node, master_addr=master_addr,
+                      master_port=master_port, leader_only=leader_only,
+                      curve_key_dir=curve_key_dir)
+    if node_rank > 0:
+        logging.basicConfig(level=log_level,
+                            format=f"%(asctime)s nvllm-node-{node_rank} %(levelname)s %(message)s")
+        set_process_title(f"nvllm-node-{node_rank}")
+        from nvllm.launch.spawn import run_worker_node
+
+        if nnodes < 2 or not master_port:
+            raise click.UsageError("--node-rank > 0 needs --nnodes >= 2 and --master-port")
+        raise SystemExit(run_worker_node(dist, node_rank, resolve_model(model) if model else None))
+    if model is None:
+        raise click.UsageError("--model is required (on node rank 0)")
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams
-    from nvllm.common.proc import set_process_title
 
     set_process_title("nvllm-leader")
+    if os.environ.get("NVLLM_PARENT_PID"):  # started by torchrun/srun's rank 0: die with it
+        from nvllm.common.proc import die_with_parent
+
+        die_with_parent(int(os.environ["NVLLM_PARENT_PID"]))
 
     t0 = time.perf_counter()
     llm = LLM(resolve_model(model), tensor_parallel_size=tp, device=device, dtype=dtype,
@@ -99,7 +146,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
               max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
               gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
               attention_backend=attention_backend, max_queued_requests=max_queued_requests,
-              batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s)
+              batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s,
+              heartbeat_timeout_s=heartbeat_timeout, step_timeout_s=step_timeout, dist=dist)
     with llm:
         cfg = llm.config
         click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} tp={tp} "

@@ -1,10 +1,14 @@
-"""Worker process: one tensor-parallel rank. Started by the launcher as
-``python -m nvllm.worker.main`` with its spec (JSON) in $NVLLM_WORKER_SPEC.
+"""Worker process: one tensor-parallel rank.
+
+Started by the leader's launcher as ``python -m nvllm.worker.main`` with its spec (JSON)
+in $NVLLM_WORKER_SPEC, or in-process by ``nvllm.launch.worker`` (torchrun, srun), which
+reads the spec from the rendezvous store.
 
 It loads its weight shard, reports how many KV blocks fit, allocates what the leader
 decides, then executes step plans until told to shut down. It never decides anything.
-A failure is reported to the leader (with its traceback) before the process exits, and
-the worker exits by itself when its parent dies.
+A failure is reported to the leader (with its traceback) before the process exits. The
+worker exits by itself when its parent dies or the leader stops answering heartbeats,
+so no worker outlives its engine.
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
+import msgpack
 import torch
 import torch.distributed as dist
 import zmq
@@ -32,14 +40,63 @@ from nvllm.worker.parallel import TPContext
 
 logger = logging.getLogger("nvllm.worker")
 
+RECV_POLL_MS = 500
+MAX_PLAN_BYTES = 256 << 20  # a plan is kilobytes; a frame this big is hostile or broken
+
+
+def heartbeat_loop(ctx: zmq.Context, endpoint: str, rank: int, timeout_s: float,
+                   secure: Callable[[zmq.Socket], None], stop: threading.Event) -> None:
+    """Ping the leader every timeout/8 s; exit the process if it stops answering.
+
+    Runs in its own thread so a long step or a stuck collective does not silence it: the
+    leader tells a slow worker from a dead one, and a worker whose leader (or whose
+    leader's host) is gone does not wait forever.
+    """
+    sock = make_socket(ctx, zmq.DEALER, max_msg_bytes=1024)
+    secure(sock)
+    sock.connect(endpoint)
+    ping = msgpack.packb([rank, os.getpid(), socket.gethostname()])
+    last_answer = time.monotonic()
+    interval = max(0.05, timeout_s / 8)
+    while not stop.is_set():
+        try:
+            sock.send(ping, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        deadline = time.monotonic() + interval
+        while (left := deadline - time.monotonic()) > 0:
+            if sock.poll(int(left * 1000) + 1):
+                sock.recv()
+                last_answer = time.monotonic()
+        if time.monotonic() - last_answer > timeout_s and not stop.is_set():
+            logger.error("rank %d: the leader has not answered heartbeats for %.1f s; "
+                         "exiting", rank, time.monotonic() - last_answer)
+            os._exit(3)
+    sock.close(0)
+
+
+def init_distributed(spec: dict, backend: str, timeout_s: float) -> None:
+    """Join the torch.distributed group: a FileStore on one host, a TCPStore across nodes."""
+    rank, world = spec["rank"], spec["world_size"]
+    rdzv = spec["rendezvous"]
+    timeout = timedelta(seconds=timeout_s)
+    if "file" in rdzv:
+        dist.init_process_group(backend, init_method=f"file://{rdzv['file']}", rank=rank,
+                                world_size=world, timeout=timeout)
+        return
+    host, port = rdzv["tcp"]
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(rdzv["prefix"], store),
+                            rank=rank, world_size=world, timeout=timeout)
+
 
 def run_worker(spec: dict) -> None:
     rank, world = spec["rank"], spec["world_size"]
-    cfg_dict = dict(spec["config"])
-    config = EngineConfig(**cfg_dict)
+    config = EngineConfig(**dict(spec["config"]))
+    config.model = spec.get("model_override") or config.model
     config.model_info = ModelInfo.from_pretrained(config.model)
+    local_rank = spec.get("local_rank", rank)
     if config.device == "cuda":
-        local_rank = spec.get("local_rank", rank)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
@@ -50,16 +107,22 @@ def run_worker(spec: dict) -> None:
     torch.manual_seed(config.seed)
 
     ctx = zmq.Context()
-    plan_sock = make_socket(ctx, zmq.PULL)
-    plan_sock.connect(spec["plan_endpoint"])
+    secure = _curve_client(spec.get("curve_key_dir"))
+    plan_sock = make_socket(ctx, zmq.PULL, max_msg_bytes=MAX_PLAN_BYTES)
     result_sock = make_socket(ctx, zmq.PUSH)
+    for s in (plan_sock, result_sock):
+        secure(s)
+    plan_sock.connect(spec["plan_endpoints"][rank])
     result_sock.connect(spec["result_endpoint"])
+    stop_heartbeats = threading.Event()
+    hb = threading.Thread(target=heartbeat_loop, daemon=True, name="heartbeat",
+                          args=(ctx, spec["heartbeat_endpoint"], rank,
+                                config.heartbeat_timeout_s, secure, stop_heartbeats))
+    hb.start()
     step_id = 0
     try:
         if world > 1:
-            dist.init_process_group(backend, init_method=spec["dist_init_method"], rank=rank,
-                                    world_size=world,
-                                    timeout=timedelta(seconds=config.step_timeout_s))
+            init_distributed(spec, backend, config.step_timeout_s)
             tp = TPContext(rank, world, dist.group.WORLD)
         else:
             tp = TPContext()
@@ -67,9 +130,12 @@ def run_worker(spec: dict) -> None:
         result_sock.send(protocol.encode(protocol.WorkerReady(
             rank, "loaded", runner.available_kv_blocks(), {"block_bytes": runner.block_bytes()})))
         while True:
+            # Poll, never block: the heartbeat thread ends the process if the leader dies.
+            if not plan_sock.poll(RECV_POLL_MS):
+                continue
             data = plan_sock.recv()
             try:
-                msg = protocol.decode(data)
+                msg = protocol.decode(data, MAX_PLAN_BYTES)
             except ProtocolError as e:
                 logger.error("rank %d: dropping malformed plan frame: %s", rank, e)
                 continue
@@ -84,12 +150,17 @@ def run_worker(spec: dict) -> None:
                 result = runner.execute(msg)
                 if result is not None:
                     result_sock.send(protocol.encode(result))
+            else:
+                logger.error("rank %d: ignoring a %s on the plan socket", rank,
+                             type(msg).__name__)
     except Exception as e:
         result_sock.send(protocol.encode(protocol.WorkerError(
             rank, step_id, f"{type(e).__name__}: {e}", traceback.format_exc())))
         time.sleep(0.2)  # let ZMQ flush the error before the process exits
         raise
     finally:
+        stop_heartbeats.set()
+        hb.join(timeout=2)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -100,8 +171,16 @@ def run_worker(spec: dict) -> None:
         ctx.term()
 
 
-def main() -> None:
-    spec = json.loads(os.environ["NVLLM_WORKER_SPEC"])
+def _curve_client(key_dir: str | None) -> Callable[[zmq.Socket], None]:
+    if not key_dir:
+        return lambda s: None
+    from nvllm.common.zmq_utils import curve_client
+
+    return lambda s: curve_client(s, key_dir)
+
+
+def worker_entry(spec: dict) -> None:
+    """Name the process, tie it to its parent, run; exit code 1 on failure."""
     logging.basicConfig(level=os.environ.get("NVLLM_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s nvllm-worker-{spec['rank']} %(levelname)s "
                                "%(message)s")
@@ -114,7 +193,12 @@ def main() -> None:
     try:
         run_worker(spec)
     except Exception:
+        logger.exception("rank %d failed", spec["rank"])
         sys.exit(1)
+
+
+def main() -> None:
+    worker_entry(json.loads(os.environ["NVLLM_WORKER_SPEC"]))
 
 
 if __name__ == "__main__":

@@ -173,6 +173,38 @@ def test_worker_death_is_an_error_not_a_hang(tiny, procs):
     assert not any(procs.pid_alive(p) for p in pids)
 
 
+def test_a_stopped_worker_is_found_by_its_missing_heartbeats(tiny, procs):
+    """SIGSTOP: the process lives and keeps its sockets, but answers nothing; the leader
+    must call it dead within heartbeat_timeout_s, not wait for the step watchdog."""
+    llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2, heartbeat_timeout_s=2.0)
+    pids = llm.worker_pids
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1 .* sent no heartbeat"):
+            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=512, ignore_eos=True),
+                         use_tqdm=False)
+        assert time.monotonic() - t0 < 5
+    finally:
+        llm.shutdown()  # SIGKILL reaches a stopped process
+    assert not any(procs.pid_alive(p) for p in pids)
+
+
+def test_a_stuck_step_trips_the_watchdog(tiny):
+    """Heartbeats flow but no result comes (a hung collective, a deadlock): the step
+    timeout turns it into an error instead of a hang."""
+    llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=1, step_timeout_s=1.0)
+    try:
+        # Swallow the plans so the (live, heartbeating) worker never computes a step.
+        for sock in llm._workers.client.plan_socks:
+            sock.close(0)
+        llm._workers.client.plan_socks = []
+        with pytest.raises(EngineDeadError, match="no answer from the workers within 1 s"):
+            llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 def test_decode_plans_stay_small(llm):
     """Running sequences travel as deltas: a decode step costs a few bytes per sequence."""
     from nvllm.common.sampling_params import SamplingParams as SP
