@@ -46,15 +46,33 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, **kwargs).finalize()
         self.tokenizer = (None if skip_tokenizer_init
                           else AutoTokenizer.from_pretrained(self.config.model))
-        self._workers: WorkerGroup | None = start_worker_group(self.config, dist)
-        # Stop the workers even if the user forgets shutdown() (or the interpreter exits).
-        self._finalizer = weakref.finalize(self, self._workers.stop)
-        atexit.register(self._finalizer)
+        self._dist = dist or DistConfig()
+        if self.config.restart_workers and self._dist.uses_store:
+            raise ValueError("restart_workers needs every worker on this node: workers on "
+                             "other nodes are restarted by their own launcher, not the leader")
+        self._workers: WorkerGroup | None = None
+        self._start_workers()
         try:
             self.engine = LLMEngine(self.config, self._workers.client, self.tokenizer)
         except BaseException:
             self.shutdown()
             raise
+        restart = weakref.WeakMethod(self._restart_workers)  # no engine -> LLM cycle
+        self.engine.restart_workers = lambda: restart()()
+
+    def _start_workers(self) -> None:
+        self._workers = start_worker_group(self.config, self._dist)
+        # Stop the workers even if the user forgets shutdown() (or the interpreter exits).
+        self._finalizer = weakref.finalize(self, self._workers.stop)
+        atexit.register(self._finalizer)
+
+    def _restart_workers(self):
+        """The engine's recovery hook: replace the whole worker group (same config)."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self._start_workers()
+        logger.warning("started a new worker group: pids %s", self._workers.pids)
+        return self._workers.client
 
     @property
     def worker_pids(self) -> list[int]:

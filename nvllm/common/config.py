@@ -105,6 +105,10 @@ class EngineConfig:
     step_timeout_s: float = 600.0  # watchdog: a step with no result by then is an error
     # Workers and leader ping each other; this much silence means the other side is gone.
     heartbeat_timeout_s: float = 4.0
+    # On a worker failure, start a new worker group and recompute the in-flight requests
+    # (at most this many times) instead of failing them.
+    restart_workers: bool = False
+    max_worker_restarts: int = 3
     model_info: ModelInfo | None = field(default=None, repr=False)
 
     def finalize(self) -> EngineConfig:

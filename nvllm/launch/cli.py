@@ -94,6 +94,11 @@ def resolve_model(model: str) -> str:
                    "worker, the leader) counts as dead.")
 @click.option("--step-timeout", default=600.0, type=float,
               help="Watchdog: a step without a result after this many seconds is an error.")
+@click.option("--restart-workers", is_flag=True,
+              help="On a worker failure, start a new worker group and recompute the "
+                   "in-flight requests instead of failing them (workers on this node only).")
+@click.option("--max-worker-restarts", default=3, type=int,
+              help="With --restart-workers: give up (and fail requests) after this many.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
 @click.option("--max-tokens", default=32, type=int)
@@ -105,7 +110,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
            enable_prefix_caching, attention_backend, max_queued_requests, batch_timeout_ms,
            client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
            served_model_name, api_key, nnodes, node_rank, nproc_per_node, master_addr,
-           master_port, leader_only, curve_key_dir, heartbeat_timeout, step_timeout, prompts,
+           master_port, leader_only, curve_key_dir, heartbeat_timeout, step_timeout,
+           restart_workers, max_worker_restarts, prompts,
            demo, max_tokens, temperature, log_level) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes.
 
@@ -147,7 +153,9 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
               gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
               attention_backend=attention_backend, max_queued_requests=max_queued_requests,
               batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s,
-              heartbeat_timeout_s=heartbeat_timeout, step_timeout_s=step_timeout, dist=dist)
+              heartbeat_timeout_s=heartbeat_timeout, step_timeout_s=step_timeout,
+              restart_workers=restart_workers, max_worker_restarts=max_worker_restarts,
+              dist=dist)
     with llm:
         cfg = llm.config
         click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} tp={tp} "

@@ -6,6 +6,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nvllm.common import protocol
@@ -90,7 +91,10 @@ class LLMEngine:
         assert info is not None, "EngineConfig.finalize() first"
         self.vocab_size = info.vocab_size
         self.eos_token_ids = list(info.eos_token_ids)
-        num_blocks = self._init_workers()
+        num_blocks = self.num_blocks = self._init_workers()
+        # Set by the owner to enable recovery: returns a fresh worker group's client.
+        self.restart_workers: Callable[[], WorkerGroupClient] | None = None
+        self.restarts_left = config.max_worker_restarts if config.restart_workers else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
@@ -121,10 +125,13 @@ class LLMEngine:
                 logger.warning("unexpected %s while waiting for workers", type(msg).__name__)
         return [got[r] for r in sorted(got)]
 
-    def _init_workers(self) -> int:
+    def _init_workers(self, num_blocks: int | None = None) -> int:
         ready = self._gather_ready("loaded")
         fits = min(m.num_blocks for m in ready)
-        num_blocks = self.config.num_kv_blocks or fits
+        if num_blocks is not None and fits < num_blocks:
+            raise EngineDeadError(f"the restarted workers fit {fits} KV blocks, fewer than "
+                                  f"the {num_blocks} the engine schedules")
+        num_blocks = num_blocks or self.config.num_kv_blocks or fits
         if num_blocks < 1:
             raise RuntimeError(
                 "no memory left for the KV cache after loading the model: raise "
@@ -247,8 +254,14 @@ class LLMEngine:
         prompt_tokens = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
                                 - seq.num_computed_tokens) for seq, n in sched.scheduled)
         plan = self._build_plan(sched)
-        plan_bytes = self.workers.broadcast(plan)
-        result = self._wait_result(plan.step_id)
+        try:
+            plan_bytes = self.workers.broadcast(plan)
+            result = self._wait_result(plan.step_id)
+        except EngineDeadError as e:
+            if self._recover(str(e)):
+                return out
+            self._fail_all()
+            raise
         self._apply_result(sched, result, out)
         self.last_step = StepStats(plan.step_id, sched.num_batched_tokens, plan_bytes,
                                    result.worker_time_s, time.perf_counter() - t0)
@@ -304,16 +317,46 @@ class LLMEngine:
         return protocol.StepPlan(next(self._step_ids), new_seqs, running, drops)
 
     def _wait_result(self, step_id: int) -> protocol.StepResult:
-        try:
-            while True:
-                msg = self.workers.recv(self.config.step_timeout_s)
-                if isinstance(msg, protocol.StepResult) and msg.step_id == step_id:
-                    return msg
-                logger.warning("ignoring %s while waiting for step %d",
-                               type(msg).__name__, step_id)
-        except EngineDeadError:
+        while True:
+            msg = self.workers.recv(self.config.step_timeout_s)
+            if isinstance(msg, protocol.StepResult) and msg.step_id == step_id:
+                return msg
+            logger.warning("ignoring %s while waiting for step %d", type(msg).__name__, step_id)
+
+    def check_workers(self) -> None:
+        """For an idle owner: notice a worker death now (recover, or raise EngineDeadError)
+        rather than at the next step."""
+        if self.workers.check_alive() is None:
+            return
+        if not self._recover(self.workers.dead):
             self._fail_all()
-            raise
+            raise EngineDeadError(self.workers.dead)
+
+    def _recover(self, error: str) -> bool:
+        """Replace a failed worker group and requeue every in-flight sequence for recompute.
+
+        The new workers' KV cache is empty, so every cached prefix is forgotten and every
+        running sequence recomputes its prompt and the tokens it generated so far: greedy
+        (and seeded) outputs continue exactly as if nothing had happened.
+        """
+        while self.restart_workers is not None and self.restarts_left > 0:
+            self.restarts_left -= 1
+            logger.error("worker group failed: %s; restarting it (%d restart(s) left after "
+                         "this)", error.split("\n")[0], self.restarts_left)
+            try:
+                self.workers = self.restart_workers()
+                self._init_workers(self.num_blocks)
+            except Exception as e:  # a failed restart counts; the next one may work
+                error = f"restart failed: {e}"
+                continue
+            self.scheduler.requeue_all()
+            self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds
+            self._pending_drops.clear()
+            self.metrics.worker_restarts.inc()
+            logger.warning("worker group restarted; %d request(s) requeued for recompute",
+                           len(self.requests))
+            return True
+        return False
 
     def _apply_result(self, sched: SchedulerOutput, result: protocol.StepResult,
                       out: EngineOutput) -> None:
@@ -397,6 +440,8 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "error")
+        self.requests.clear()
+        self._deadlines.clear()
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(s.index, s.output_token_ids,

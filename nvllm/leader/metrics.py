@@ -47,6 +47,8 @@ class EngineMetrics:
         self.prompt_tokens = counter("nvllm:prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("nvllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("nvllm:num_preemptions", "Preemptions.")
+        self.worker_restarts = counter("nvllm:worker_restarts",
+                                       "Worker groups replaced after a failure.")
         finished = Counter("nvllm:request_success", "Finished requests by finish reason.",
                            labelnames=["model_name", "finished_reason"], registry=r)
         self.finished = {reason: finished.labels(model_name=model_name, finished_reason=reason)

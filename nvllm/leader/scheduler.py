@@ -123,6 +123,13 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_waiting_key)
 
+    def requeue_all(self) -> None:
+        """The workers (and the KV cache) were replaced: every running sequence goes back
+        to waiting, to be recomputed from its tokens so far, keeping its place in line."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running.clear()
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out (finished or aborted) and give its blocks back."""
         if seq.status is SequenceStatus.RUNNING:
