@@ -256,7 +256,7 @@ class LLMEngine:
         plan = self._build_plan(sched)
         try:
             plan_bytes = self.workers.broadcast(plan)
-            result = self._wait_result(plan.step_id)
+            result = self._wait_result(plan.step_id, sched)
         except EngineDeadError as e:
             if self._recover(str(e)):
                 return out
@@ -316,12 +316,31 @@ class LLMEngine:
             seq.num_sent_blocks = len(seq.block_table)
         return protocol.StepPlan(next(self._step_ids), new_seqs, running, drops)
 
-    def _wait_result(self, step_id: int) -> protocol.StepResult:
+    def _wait_result(self, step_id: int, sched: SchedulerOutput) -> protocol.StepResult:
         while True:
             msg = self.workers.recv(self.config.step_timeout_s)
             if isinstance(msg, protocol.StepResult) and msg.step_id == step_id:
-                return msg
+                problem = self._check_result(msg, sched)
+                if problem is None:
+                    return msg
+                logger.error("dropping a result for step %d: %s", step_id, problem)
+                continue
             logger.warning("ignoring %s while waiting for step %d", type(msg).__name__, step_id)
+
+    def _check_result(self, r: protocol.StepResult, sched: SchedulerOutput) -> str | None:
+        """A result must sample exactly the sequences that finished their tokens this step,
+        with token ids in the vocabulary; anything else is not our workers' answer."""
+        due = {seq.seq_id for seq, n in sched.scheduled
+               if seq.num_computed_tokens + n == seq.num_tokens}
+        if len(r.seq_ids) != len(r.token_ids) or set(r.seq_ids) != due \
+                or len(r.seq_ids) != len(due):
+            return "it does not sample the sequences the plan asked for"
+        if any(not 0 <= t < self.vocab_size for t in r.token_ids):
+            return "a token id is outside the vocabulary"
+        if r.logprobs is not None and (not isinstance(r.logprobs, list)
+                                       or len(r.logprobs) != len(r.seq_ids)):
+            return "malformed logprobs"
+        return None
 
     def check_workers(self) -> None:
         """For an idle owner: notice a worker death now (recover, or raise EngineDeadError)

@@ -35,13 +35,14 @@ from nvllm.common.config import EngineConfig, ModelInfo
 from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.zmq_utils import make_socket
-from nvllm.worker.model_runner import ModelRunner
+from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 
 logger = logging.getLogger("nvllm.worker")
 
 RECV_POLL_MS = 500
-MAX_PLAN_BYTES = 256 << 20  # a plan is kilobytes; a frame this big is hostile or broken
+# A plan is kilobytes; a frame beyond this is hostile or broken, and ZMQ drops it.
+MAX_PLAN_BYTES = 256 << 20
 
 
 def heartbeat_loop(ctx: zmq.Context, endpoint: str, rank: int, timeout_s: float,
@@ -73,6 +74,28 @@ def heartbeat_loop(ctx: zmq.Context, endpoint: str, rank: int, timeout_s: float,
                          "exiting", rank, time.monotonic() - last_answer)
             os._exit(3)
     sock.close(0)
+
+
+class PlanConnectionWatch:
+    """ZMQ drops the connection of a peer that sends a frame over MAXMSGSIZE and does not
+    reconnect it; a plan socket in that state would wait forever. A disconnect not undone
+    within grace_s becomes an error the leader hears about (and the worker exits)."""
+
+    def __init__(self, sock: zmq.Socket, grace_s: float, max_bytes: int) -> None:
+        self.mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.grace_s, self.max_bytes = grace_s, max_bytes
+        self.lost_at: float | None = None
+
+    def check(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.mon.poll(0):
+            event = recv_monitor_message(self.mon)["event"]
+            self.lost_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+        if self.lost_at is not None and time.monotonic() - self.lost_at > self.grace_s:
+            raise ConnectionError(
+                f"lost the plan connection to the leader for {self.grace_s:.0f} s (a plan "
+                f"frame over the {self.max_bytes}-byte limit, or the network)")
 
 
 def init_distributed(spec: dict, backend: str, timeout_s: float) -> None:
@@ -108,10 +131,12 @@ def run_worker(spec: dict) -> None:
 
     ctx = zmq.Context()
     secure = _curve_client(spec.get("curve_key_dir"))
-    plan_sock = make_socket(ctx, zmq.PULL, max_msg_bytes=MAX_PLAN_BYTES)
+    max_plan_bytes = spec.get("max_plan_bytes") or MAX_PLAN_BYTES
+    plan_sock = make_socket(ctx, zmq.PULL, max_msg_bytes=max_plan_bytes)
     result_sock = make_socket(ctx, zmq.PUSH)
     for s in (plan_sock, result_sock):
         secure(s)
+    watch = PlanConnectionWatch(plan_sock, config.heartbeat_timeout_s, max_plan_bytes)
     plan_sock.connect(spec["plan_endpoints"][rank])
     result_sock.connect(spec["result_endpoint"])
     stop_heartbeats = threading.Event()
@@ -132,10 +157,11 @@ def run_worker(spec: dict) -> None:
         while True:
             # Poll, never block: the heartbeat thread ends the process if the leader dies.
             if not plan_sock.poll(RECV_POLL_MS):
+                watch.check()
                 continue
             data = plan_sock.recv()
             try:
-                msg = protocol.decode(data, MAX_PLAN_BYTES)
+                msg = protocol.decode(data, max_plan_bytes)
             except ProtocolError as e:
                 logger.error("rank %d: dropping malformed plan frame: %s", rank, e)
                 continue
@@ -147,7 +173,13 @@ def run_worker(spec: dict) -> None:
                     protocol.WorkerReady(rank, "kv", msg.num_blocks, {})))
             elif isinstance(msg, protocol.StepPlan):
                 step_id = msg.step_id
-                result = runner.execute(msg)
+                try:
+                    result = runner.execute(msg)
+                except InvalidPlan as e:  # nothing was touched: say so and carry on
+                    logger.error("rank %d: rejecting step %d: %s", rank, step_id, e)
+                    result_sock.send(protocol.encode(protocol.WorkerError(
+                        rank, step_id, f"invalid plan: {e}", "")))
+                    continue
                 if result is not None:
                     result_sock.send(protocol.encode(result))
             else:
@@ -166,9 +198,8 @@ def run_worker(spec: dict) -> None:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        plan_sock.close(0)
-        result_sock.close(linger=500)
-        ctx.term()
+        # Closes every socket (monitors included); a last error still gets 0.5 s to leave.
+        ctx.destroy(linger=500)
 
 
 def _curve_client(key_dir: str | None) -> Callable[[zmq.Socket], None]:

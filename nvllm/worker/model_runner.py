@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class InvalidPlan(ValueError):
+    """A step plan that cannot be executed; the worker's state is left as it was."""
+
+
 @dataclass(slots=True)
 class WorkerSeq:
     token_ids: list[int]
@@ -85,6 +89,53 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
+    def validate(self, plan: protocol.StepPlan) -> None:
+        """Reject a plan this rank cannot execute before touching any state.
+
+        Plans come from the leader only, so a bad one is a bug (or a forged frame): the
+        worker answers with an error and stays as it was, instead of indexing out of its
+        KV cache or embedding table.
+        """
+        if self.kv_cache is None:
+            raise InvalidPlan("a step plan arrived before the KV cache was allocated")
+        num_blocks, vocab, bs = self.kv_cache.shape[2], self.config.model_info.vocab_size, \
+            self.block_size
+        dropped = set(plan.finished_ids)
+        held = {sid: (len(s.token_ids), len(s.block_table), s.num_computed_tokens)
+                for sid, s in self.seqs.items() if sid not in dropped}
+        seen: set[int] = set()
+
+        def check(sid, tokens, blocks, num_tokens, num_blocks_held, computed, n) -> None:
+            if sid in seen:
+                raise InvalidPlan(f"sequence {sid} appears twice in step {plan.step_id}")
+            seen.add(sid)
+            if any(not 0 <= t < vocab for t in tokens):
+                raise InvalidPlan(f"sequence {sid}: token id outside the vocabulary "
+                                  f"(0..{vocab - 1})")
+            if any(not 0 <= b < num_blocks for b in blocks):
+                raise InvalidPlan(f"sequence {sid}: block id outside the KV cache "
+                                  f"(0..{num_blocks - 1})")
+            end = computed + n
+            if n < 1 or computed < 0 or end > num_tokens or -(-end // bs) > num_blocks_held:
+                raise InvalidPlan(f"sequence {sid}: tokens {computed}..{end} of {num_tokens} "
+                                  f"with {num_blocks_held} block(s) of {bs}")
+
+        for ns in plan.new_seqs:
+            if ns.seq_id in held:
+                raise InvalidPlan(f"new sequence {ns.seq_id} is already held")
+            if not 0 < ns.num_prompt_tokens <= len(ns.token_ids):
+                raise InvalidPlan(f"sequence {ns.seq_id}: {ns.num_prompt_tokens} prompt tokens "
+                                  f"of {len(ns.token_ids)}")
+            check(ns.seq_id, ns.token_ids, ns.block_table, len(ns.token_ids),
+                  len(ns.block_table), ns.num_computed_tokens, ns.num_new_tokens)
+        for rs in plan.running:
+            if rs.seq_id not in held:
+                raise InvalidPlan(f"running sequence {rs.seq_id} is not held by this worker")
+            num_tokens, num_blocks_held, computed = held[rs.seq_id]
+            check(rs.seq_id, rs.new_token_ids, rs.new_block_ids,
+                  num_tokens + len(rs.new_token_ids), num_blocks_held + len(rs.new_block_ids),
+                  computed, rs.num_new_tokens)
+
     def _apply_plan(self, plan: protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
         for sid in plan.finished_ids:
             self.seqs.pop(sid, None)
@@ -126,6 +177,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: protocol.StepPlan) -> protocol.StepResult | None:
         t0 = time.perf_counter()
+        self.validate(plan)
         batch = self._apply_plan(plan)
         if not batch:
             return protocol.StepResult(plan.step_id, [], [], None, 0.0) if self.tp.rank == 0 \

@@ -255,8 +255,51 @@ def test_garbage_on_the_result_socket_changes_nothing(llm):
                   protocol.encode(protocol.StepResult(10**9, [0], [5], None, 0.0))):
         sock.send(frame)
     sock.close()
+    # The heartbeat socket: garbage, a pickle, a rank that does not exist, an oversized
+    # frame (ZMQ drops it and the sender's connection) change nothing either.
+    hb = ctx.socket(zmq.DEALER)
+    hb.setsockopt(zmq.LINGER, 1000)
+    hb.connect(llm._workers.client.heartbeat_endpoint)
+    for frame in (b"\xc1", pickle.dumps([0, 1, "h"]), msgpack.packb([7, 1, "h"]),
+                  msgpack.packb(["0", 1, "h"]), b"\x00" * 10_000):
+        hb.send(frame)
+    hb.close()
     ctx.term()
     time.sleep(0.2)
     after = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
     assert after == before
+    assert llm._workers.client.check_alive() is None
+    assert_no_blocks_held(llm)
+
+
+def test_a_forged_result_for_the_current_step_is_dropped(llm, monkeypatch):
+    """A well-formed StepResult with the right step id but tokens for the wrong sequences
+    (or outside the vocabulary) is not our workers' answer: dropped, the real one wins."""
+    from nvllm.common import protocol
+
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
+    workers = llm.engine.workers
+    real_recv = workers.recv
+    forged: list = []
+    # Each forged result is dropped; the real one (held back once) is used instead.
+    held: list = []
+
+    def forging_recv(timeout_s):
+        if held:
+            return held.pop()
+        msg = real_recv(timeout_s)
+        if isinstance(msg, protocol.StepResult) and len(forged) < 2:
+            bad = (protocol.StepResult(msg.step_id, msg.seq_ids, [10**6] * len(msg.seq_ids),
+                                       None, 0.0) if not forged else
+                   protocol.StepResult(msg.step_id, [s + 999 for s in msg.seq_ids],
+                                       msg.token_ids, None, 0.0))
+            forged.append(bad)
+            held.append(msg)
+            return bad
+        return msg
+
+    monkeypatch.setattr(workers, "recv", forging_recv)
+    after = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
+    assert len(forged) == 2 and after == before
     assert_no_blocks_held(llm)
