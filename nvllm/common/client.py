@@ -2,6 +2,8 @@
 
 ``Client`` is synchronous (one thread at a time); ``AsyncClient`` multiplexes any number of
 concurrent requests over one socket in asyncio. Both speak msgpack over a ZMQ DEALER.
+With ``curve_key_dir`` (layout in common/zmq_utils.py) the connection is CURVE-encrypted
+and authenticated; a server that refuses the key never answers, so calls time out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import zmq.asyncio
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionOutput, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.zmq_utils import curve_client
 
 PROTOCOL_VERSION = 1
 PING_INTERVAL_S = 1.0
@@ -118,6 +121,33 @@ def _delta(msg: dict) -> StreamDelta:
                        msg.get("usage"))
 
 
+def _connect(ctx: zmq.Context, endpoint: str, timeout_s: float,
+             curve_key_dir: str | os.PathLike | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # A send blocks while there is no connection to queue on (after a refused CURVE
+    # handshake there is none): bound it like every wait for an answer.
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    try:
+        if curve_key_dir is not None:  # keys must be set before connect
+            curve_client(sock, curve_key_dir)
+        sock.connect(endpoint)
+    except BaseException:
+        sock.close(0)
+        ctx.term()
+        raise
+    return sock
+
+
+def _no_answer_hint(endpoint: str, timeout_s: float,
+                    curve_key_dir: str | os.PathLike | None) -> str:
+    # A refused CURVE handshake is silent by design: say what to check.
+    why = "" if curve_key_dir is None else (
+        f" (is this client's public key in the server's clients/ folder, and "
+        f"{curve_key_dir}/server.key the server's?)")
+    return f"no answer from {endpoint} in {timeout_s:g} s{why}"
+
+
 def _n_of(params: SamplingParams | dict | None) -> int:
     if isinstance(params, SamplingParams):
         return params.n
@@ -127,29 +157,36 @@ def _n_of(params: SamplingParams | dict | None) -> int:
 class Client:
     """Synchronous client. ``stream()`` yields ``StreamDelta``s; ``generate()`` collects."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
+                 curve_key_dir: str | os.PathLike | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
+        self._no_answer = _no_answer_hint(endpoint, timeout_s, curve_key_dir)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid()}-{id(self):x}-"
         self._inbox: dict[str, deque] = defaultdict(deque)  # replies for other requests
         self._last_ping = 0.0
 
-    def _send(self, msg: dict) -> None:
-        self._sock.send(msgpack.packb(msg, use_bin_type=True))
+    def _send(self, msg: dict, *, best_effort: bool = False) -> None:
+        """Send, waiting at most timeout_s for room; `best_effort` (pings, aborts on the
+        way out) never waits and drops the message instead."""
+        try:
+            self._sock.send(msgpack.packb(msg, use_bin_type=True),
+                            flags=zmq.NOBLOCK if best_effort else 0)
+        except zmq.Again:
+            if not best_effort:
+                raise TimeoutError(self._no_answer) from None
 
     def _recv(self, deadline: float) -> dict:
         while True:
             now = time.monotonic()
             if now - self._last_ping >= PING_INTERVAL_S:
-                self._send({"op": "ping"})
+                self._send({"op": "ping"}, best_effort=True)
                 self._last_ping = now
             if now > deadline:
-                raise TimeoutError(f"no answer from {self.endpoint} in {self.timeout_s:.0f} s")
+                raise TimeoutError(self._no_answer)
             if self._sock.poll(int(min(PING_INTERVAL_S, deadline - now) * 1000) + 1):
                 msg = _unpack(self._sock.recv())
                 if isinstance(msg, dict) and msg.get("op") != "pong":
@@ -203,7 +240,8 @@ class Client:
                 yield d
         finally:
             if remaining:  # the caller stopped early: don't leave the request running
-                self.abort(rid)
+                self._send({"v": PROTOCOL_VERSION, "op": "abort", "id": rid},
+                           best_effort=True)
             self._inbox.pop(rid, None)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
@@ -231,13 +269,13 @@ class Client:
 class AsyncClient:
     """asyncio client: any number of concurrent requests over one socket."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
+                 curve_key_dir: str | os.PathLike | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
+        self._no_answer = _no_answer_hint(endpoint, timeout_s, curve_key_dir)
         self._ids = itertools.count()
         self._prefix = f"a{os.getpid()}-{id(self):x}-"
         self._queues: dict[str, asyncio.Queue] = {}
@@ -249,8 +287,14 @@ class AsyncClient:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._reader()), loop.create_task(self._pinger())]
 
-    async def _send(self, msg: dict) -> None:
-        await self._sock.send(msgpack.packb(msg, use_bin_type=True))
+    async def _send(self, msg: dict, *, best_effort: bool = False) -> None:
+        """As Client._send (zmq.asyncio honours SNDTIMEO)."""
+        try:
+            await self._sock.send(msgpack.packb(msg, use_bin_type=True),
+                                  flags=zmq.NOBLOCK if best_effort else 0)
+        except zmq.Again:
+            if not best_effort:
+                raise TimeoutError(self._no_answer) from None
 
     async def _reader(self) -> None:
         while True:
@@ -272,7 +316,7 @@ class AsyncClient:
     async def _pinger(self) -> None:
         while True:
             if self._queues:
-                await self._send({"op": "ping"})
+                await self._send({"op": "ping"}, best_effort=True)
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _request(self, op: str) -> dict:
@@ -323,7 +367,8 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
             if remaining:  # cancelled or abandoned: free the engine's work
-                await self._send({"v": PROTOCOL_VERSION, "op": "abort", "id": rid})
+                await self._send({"v": PROTOCOL_VERSION, "op": "abort", "id": rid},
+                                 best_effort=True)
 
     async def _next(self, queue: asyncio.Queue) -> dict:
         # Not asyncio.wait_for(queue.get()): on Python < 3.12 it can swallow a cancel that
@@ -335,7 +380,7 @@ class AsyncClient:
             if not get.done():
                 get.cancel()
         if not done:
-            raise TimeoutError(f"no answer from {self.endpoint} in {self.timeout_s:.0f} s")
+            raise TimeoutError(self._no_answer)
         return get.result()
 
     async def generate(self, prompt: str | list[int],

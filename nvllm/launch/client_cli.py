@@ -28,10 +28,14 @@ from nvllm.common.errors import NvllmError
 @click.option("--timeout", "timeout_s", default=600.0, type=float,
               help="Seconds to wait for each answer from the engine.")
 @click.option("--info", "show_info", is_flag=True, help="Print the engine's info as JSON.")
+@click.option("--curve-key-dir", default=None, envvar="NVLLM_CURVE_KEY_DIR",
+              type=click.Path(exists=True, file_okay=False),
+              help="CURVE keys for an engine that requires them: this folder's server.key "
+                   "and client.key_secret (create with nvllm-keys; env NVLLM_CURVE_KEY_DIR).")
 @click.argument("prompt", required=False)
 def main(endpoint: str, max_tokens: int, temperature: float, top_p: float, seed: int | None,
          stop: tuple[str, ...], ignore_eos: bool, timeout_s: float, show_info: bool,
-         prompt: str | None) -> None:
+         curve_key_dir: str | None, prompt: str | None) -> None:
     """Stream the completion of PROMPT ('-' reads it from stdin)."""
     if not show_info and prompt is None:
         raise click.UsageError("give a PROMPT (or --info)")
@@ -43,7 +47,11 @@ def main(endpoint: str, max_tokens: int, temperature: float, top_p: float, seed:
         params["seed"] = seed
     if stop:
         params["stop"] = list(stop)
-    with Client(endpoint, timeout_s=timeout_s) as client:
+    try:
+        client = Client(endpoint, timeout_s=timeout_s, curve_key_dir=curve_key_dir)
+    except (OSError, ValueError) as e:  # missing or unreadable key files
+        raise click.UsageError(str(e)) from None
+    with client:
         try:
             if show_info:
                 info = {k: v for k, v in client.info().items() if k != "op"}
@@ -68,7 +76,9 @@ def main(endpoint: str, max_tokens: int, temperature: float, top_p: float, seed:
             click.echo(f"\nerror: {e}", err=True)
             sys.exit(1)
         except TimeoutError as e:
-            click.echo(f"\nerror: {e} (is the engine running at {endpoint}?)", err=True)
+            # A CURVE server ignores clients without keys: silence, not an error message.
+            hint = "" if curve_key_dir else "; does it require --curve-key-dir?"
+            click.echo(f"\nerror: {e} (is the engine running at {endpoint}{hint})", err=True)
             sys.exit(1)
 
 

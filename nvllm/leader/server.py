@@ -3,12 +3,16 @@
 One thread runs both the socket and the engine: between steps it drains every message
 that arrived (never blocking while requests run), and when idle it blocks on the socket.
 Frames are msgpack maps; anything malformed gets an error reply and changes nothing.
+Frames over `max_frame_bytes` never reach Python: ZMQ drops them and disconnects the
+sender. A non-loopback bind requires CURVE (`curve_key_dir`, see common/zmq_utils.py):
+only clients whose public key is authorised complete the handshake.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -20,13 +24,16 @@ import zmq
 
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.common.zmq_utils import make_socket
+from nvllm.common.zmq_utils import curve_server, is_loopback, make_socket
 from nvllm.leader.engine import CompletionDelta, LLMEngine
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+# Default frame limit (on the wire: CURVE adds 33 bytes per frame); a 1M-token prompt is
+# ~5 MiB of msgpack.
 MAX_FRAME_BYTES = 64 << 20
+MIN_FRAME_BYTES = 1024
 IDLE_POLL_MS = 100
 
 
@@ -42,15 +49,33 @@ class _Owner:
 
 class EngineServer:
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, *,
+                 curve_key_dir: str | os.PathLike | None = None,
+                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        if curve_key_dir is None and not is_loopback(host):
+            raise ValueError(f"binding the client endpoint to {host} needs authentication: "
+                             "pass --curve-key-dir DIR (create one with `nvllm-keys DIR`)")
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes < MIN_FRAME_BYTES:
+            # The limit also applies to handshake commands (CURVE's is ~300 bytes): below
+            # this floor no client could even connect.
+            raise ValueError(f"max_frame_bytes must be an integer >= {MIN_FRAME_BYTES}, got "
+                             f"{max_frame_bytes!r}")
         self.engine = engine
         self.model_name = model_name or engine.config.model
+        self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.ROUTER, max_msg_bytes=MAX_FRAME_BYTES)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.sock = make_socket(self.ctx, zmq.ROUTER, max_msg_bytes=max_frame_bytes)
+        self._auth = None
+        try:
+            if curve_key_dir is not None:  # CURVE options must be set before bind
+                self._auth = curve_server(self.ctx, self.sock, curve_key_dir)
+            if port:
+                self.sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{host}")
+        except BaseException:
+            self.close()
+            raise
         self.endpoint = f"tcp://{host}:{port}"
         self.dead: str | None = None
         self.draining = False  # shutting down: no new requests, in-flight ones finish
@@ -137,16 +162,29 @@ class EngineServer:
                 raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
             if prompt is not None and not isinstance(prompt, str):
                 raise ValueError("'prompt' must be a string")
+            # Field types are checked here so that a wrong type is `invalid_request`, not a
+            # misleading `rejected` from the engine (or, for stream, silently truthy).
+            if ids is not None and not isinstance(ids, list):
+                raise ValueError("'prompt_token_ids' must be a list of integers")
+            stream, priority, ttl_ms = (msg.get("stream", True), msg.get("priority") or 0,
+                                        msg.get("ttl_ms"))
+            if not isinstance(stream, bool):
+                raise ValueError("'stream' must be a bool")
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise ValueError("'priority' must be an integer")
+            if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
+                                       or isinstance(ttl_ms, bool)
+                                       or not 0 < ttl_ms < float("inf")):
+                raise ValueError("'ttl_ms' must be a positive number or null")
             internal = f"srv-{next(self._ids)}"
             self.engine.add_request(prompt, params, request_id=internal, prompt_token_ids=ids,
-                                    priority=msg.get("priority") or 0,
-                                    ttl_ms=msg.get("ttl_ms"))
+                                    priority=priority, ttl_ms=ttl_ms)
         except Overloaded as e:
             return self._error(client, rid, "overloaded", str(e))
         except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
             code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
             return self._error(client, rid, code, str(e))
-        self._owners[internal] = _Owner(client, rid, bool(msg.get("stream", True)), params.n)
+        self._owners[internal] = _Owner(client, rid, stream, params.n)
         self._by_client[client][rid] = internal
 
     # ---- outputs -----------------------------------------------------------------------
@@ -246,4 +284,7 @@ class EngineServer:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self._auth is not None:  # its ZAP socket lives on ctx: stop it before term
+            self._auth.stop()
+            self._auth = None
         self.ctx.term()

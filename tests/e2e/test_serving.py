@@ -13,12 +13,15 @@ import threading
 import time
 from types import SimpleNamespace
 
+import msgpack
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from nvllm import LLM, SamplingParams
 from nvllm.common.client import Client
 from nvllm.common.errors import RequestRejected
-from nvllm.leader.server import EngineServer
+from nvllm.leader.server import MAX_FRAME_BYTES, EngineServer
 
 pytestmark = pytest.mark.e2e
 
@@ -184,6 +187,78 @@ def test_rejections_and_bad_frames_are_answered(served):
         c._sock.send(pickle.dumps({"op": "info"}))
         assert c._wait_for(None, ("error",))["code"] == "bad_frame"
         assert c.generate("still serving", GREEDY).finish_reason == "length"
+    wait_idle(served.llm)
+
+
+def _pack(msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+# A str field whose bytes are not UTF-8: {"op": "submit", "id": "u", "prompt": <ff fe>}.
+_BAD_UTF8 = (b"\x83" + _pack("op") + _pack("submit") + _pack("id") + _pack("u")
+             + _pack("prompt") + b"\xa2\xff\xfe")
+
+
+@pytest.mark.parametrize("frame,rid,code", [
+    (_pack({"op": "submit", "id": "t", "prompt": "hello"})[:-3], None, "bad_frame"),
+    (_pack([1, 2]), None, "bad_frame"),
+    (b"\x81\x91\x01\x01", None, "bad_frame"),  # a map keyed by a list
+    (_BAD_UTF8, None, "bad_frame"),
+    (_pack({"op": "explode", "id": "o"}), "o", "bad_op"),
+    (_pack({"op": "info", "v": 2}), None, "bad_version"),
+    (_pack({"op": "submit", "id": ["x"], "prompt": "x"}), None, "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": 5}), "w", "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": b"bytes"}), "w", "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": "x", "params": "hot"}), "w",
+     "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": "x", "params": {"temperature": "hot"}}),
+     "w", "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt_token_ids": "abc"}), "w", "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": "x", "priority": "high"}), "w",
+     "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": "x", "ttl_ms": float("nan")}), "w",
+     "invalid_request"),
+    (_pack({"op": "submit", "id": "w", "prompt": "x", "stream": "no"}), "w",
+     "invalid_request"),
+    (_pack({"op": "submit", "id": "v", "prompt_token_ids": [1, 10**9]}), "v", "rejected"),
+    (_pack({"op": "submit", "id": "v", "prompt_token_ids": [-1]}), "v", "rejected"),
+    (_pack({"op": "submit", "id": "v", "prompt_token_ids": [1.5]}), "v", "rejected"),
+], ids=["truncated", "not-a-map", "list-key", "bad-utf8", "unknown-op", "bad-version",
+        "id-type", "prompt-int", "prompt-bin", "params-type", "param-type", "ids-type",
+        "priority-type", "ttl-nan", "stream-type", "id-over-vocab", "id-negative",
+        "id-float"])
+def test_hostile_frames_get_an_error_and_the_engine_keeps_serving(served, frame, rid, code):
+    with Client(served.endpoint, timeout_s=60) as c:
+        c._sock.send(frame)
+        err = c._recv(time.monotonic() + 30)
+        assert (err["op"], err["id"], err["code"]) == ("error", rid, code), err
+        assert err["message"]
+        assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
+    wait_idle(served.llm)
+
+
+def test_oversized_frame_drops_only_that_connection(served):
+    limit = served.server.max_frame_bytes
+    assert limit == MAX_FRAME_BYTES  # the default
+    ep = served.endpoint
+    with Client(ep, timeout_s=60) as bad, Client(ep, timeout_s=60) as good:
+        # `bad` has a request running when it misbehaves: losing the connection orphans it,
+        # and the silent-client sweep (client_timeout_s=2 here) must free it.
+        bad._send({"op": "submit", "id": "r", "prompt": "A long story",
+                   "params": {**GREEDY, "max_tokens": 900}})
+        assert bad._wait_for("r", ())["finish_reason"] is None
+        monitor = bad._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            bad._sock.send(b"\x00" * (limit + 1))
+            assert monitor.poll(10_000), "the oversized frame did not cost its connection"
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        finally:
+            bad._sock.disable_monitor()
+            monitor.close(0)
+        # Others are served meanwhile; the same client is served again on the connection ZMQ
+        # re-opens by itself.
+        assert good.generate("Hello", GREEDY).finish_reason == "length"
+        assert bad.generate("Hello again", GREEDY).finish_reason == "length"
     wait_idle(served.llm)
 
 

@@ -418,3 +418,48 @@ def test_metrics_move_with_a_known_workload(server, tokenizer):
     assert (after["nvllm:prefix_cache_queries_total"]
             - before["nvllm:prefix_cache_queries_total"]) == n_prompt
     assert after["nvllm:num_requests_running"] == 0
+
+
+# ---- exposure: non-loopback needs a key; the key stays out of argv ---------------------------
+
+
+def test_non_loopback_http_needs_an_api_key():
+    from nvllm.launch.http_gateway import check_http_host, start_gateway_process
+
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    for host in ("0.0.0.0", "::", "192.0.2.1"):
+        with pytest.raises(ValueError, match=r"needs authentication: pass --api-key KEY"):
+            start_gateway_process(dead, host, 0)  # raises before any process starts
+    check_http_host("0.0.0.0", "a-key")
+    check_http_host("localhost", None)
+    env = {k: v for k, v in os.environ.items() if k != "NVLLM_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "nvllm.launch.http_gateway", "--endpoint", dead,
+                          "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2 and "--api-key" in out.stderr, out.stderr
+    assert "nvllm-serve on" not in out.stdout
+
+
+def test_api_key_reaches_the_gateway_process_but_not_its_argv():
+    from nvllm.launch.http_gateway import start_gateway_process
+
+    port = free_port()
+    gateway = start_gateway_process(f"tcp://127.0.0.1:{free_port()}", "127.0.0.1", port,
+                                    api_key="sekret-123", stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+    try:
+        # The command line it was started with (ps shows it to every user; the process
+        # retitles itself later, so read Popen's record, not /proc).
+        assert not any("sekret-123" in str(a) for a in gateway.args)
+        deadline = time.monotonic() + 60
+        while True:
+            assert gateway.poll() is None, f"the gateway exited with {gateway.returncode}"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=3)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the gateway never answered"
+                time.sleep(0.2)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    finally:
+        stop_process(gateway, signal.SIGTERM)
