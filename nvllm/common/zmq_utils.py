@@ -163,13 +163,19 @@ def curve_server(ctx: zmq.Context, sock: zmq.Socket,
     auth.start()
     try:
         auth.configure_curve_callback("*", credentials_provider=_ClientKeys(clients))
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
+        curve_server_keys(sock, d)
     except BaseException:
         auth.stop()
         raise
     return auth
+
+
+def curve_server_keys(sock: zmq.Socket, key_dir: str | os.PathLike) -> None:
+    """Give another socket (not yet bound) of a context whose authenticator curve_server
+    started the server keypair: one ZAP handler per context serves all its sockets."""
+    d = Path(key_dir)
+    sock.curve_publickey, sock.curve_secretkey = _load_secret(d / f"{SERVER_KEY}.key_secret", d)
+    sock.curve_server = True
 
 
 def load_client_keys(key_dir: str | os.PathLike, client_key: str | os.PathLike | None = None

@@ -33,6 +33,27 @@ def resolve_model(model: str) -> str:
     return model
 
 
+def _check_access(host: str, http_host: str | None, api_key: str | None,
+                  curve_key_dir: str | None, master_addr: str | None) -> None:
+    """Refuse an unauthenticated non-loopback bind before anything is loaded."""
+    from nvllm.common.zmq_utils import is_loopback
+    from nvllm.launch.http_gateway import check_http_host
+
+    if not is_loopback(host) and not curve_key_dir:
+        raise click.UsageError(f"--host {host} is beyond loopback and needs authentication: "
+                               "pass --curve-key-dir DIR (create one with `nvllm-keys DIR`)")
+    if master_addr is not None and not is_loopback(master_addr) and not curve_key_dir:
+        raise click.UsageError(
+            f"the worker sockets bind --master-addr {master_addr}, beyond loopback, which "
+            "needs authentication: pass --curve-key-dir DIR on every node (create one with "
+            "`nvllm-keys DIR` on shared storage)")
+    if http_host is not None:
+        try:
+            check_http_host(http_host, api_key)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default=None,
               help="HF-format checkpoint folder, or tiny:NAME (e.g. tiny:qwen3) for a "
@@ -89,6 +110,8 @@ def resolve_model(model: str) -> str:
 @click.option("--curve-key-dir", default=None, envvar="NVLLM_CURVE_KEY_DIR",
               help="CURVE keys (made by nvllm-keys) for the client endpoint and the "
                    "leader<->worker sockets; required when binding beyond loopback.")
+@click.option("--max-frame-bytes", default=64 << 20, type=int,
+              help="Largest client frame; ZMQ drops a bigger one and that connection.")
 @click.option("--heartbeat-timeout", default=4.0, type=float,
               help="Seconds of heartbeat silence after which a worker (or, seen from a "
                    "worker, the leader) counts as dead.")
@@ -110,7 +133,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
            enable_prefix_caching, attention_backend, max_queued_requests, batch_timeout_ms,
            client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
            served_model_name, api_key, nnodes, node_rank, nproc_per_node, master_addr,
-           master_port, leader_only, curve_key_dir, heartbeat_timeout, step_timeout,
+           master_port, leader_only, curve_key_dir, max_frame_bytes, heartbeat_timeout,
+           step_timeout,
            restart_workers, max_worker_restarts, prompts,
            demo, max_tokens, temperature, log_level) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes.
@@ -135,6 +159,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
         raise SystemExit(run_worker_node(dist, node_rank, resolve_model(model) if model else None))
     if model is None:
         raise click.UsageError("--model is required (on node rank 0)")
+    _check_access(host, http_host if http_port is not None else None, api_key, curve_key_dir,
+                  master_addr if dist.uses_store else None)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams
@@ -181,7 +207,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
             return
         from nvllm.leader.server import EngineServer
 
-        server = EngineServer(llm.engine, host, port, model_name=served_model_name)
+        server = EngineServer(llm.engine, host, port, model_name=served_model_name,
+                              curve_key_dir=curve_key_dir, max_frame_bytes=max_frame_bytes)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -191,7 +218,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
             from nvllm.launch.http_gateway import start_gateway_process
 
             gateway = start_gateway_process(server.endpoint, http_host, http_port,
-                                            served_model_name, api_key=api_key)
+                                            served_model_name, api_key=api_key,
+                                            curve_key_dir=curve_key_dir)
             click.echo(f"OpenAI-compatible HTTP gateway on http://{http_host}:{http_port}/v1 "
                        f"(pid {gateway.pid})")
         try:

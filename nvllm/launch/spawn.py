@@ -11,7 +11,6 @@ launchers (``run_worker_node``) or torchrun/srun tasks read it and start their r
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -28,20 +27,12 @@ from datetime import timedelta
 from typing import Any
 
 from nvllm.common.config import DistConfig, EngineConfig
+from nvllm.common.zmq_utils import is_loopback
 from nvllm.leader.executor import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 
 SPEC_KEY = "nvllm/spec"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> None:
@@ -159,19 +150,6 @@ def _bind_host(dist: DistConfig) -> str:
     return socket.gethostbyname(dist.master_addr)
 
 
-def _secure(dist: DistConfig, ctx_holder: list) -> Any:
-    if not dist.curve_key_dir:
-        return lambda s: None
-    from nvllm.common.zmq_utils import curve_server
-
-    def secure(sock) -> None:
-        auth = curve_server(sock.context, sock, dist.curve_key_dir)
-        if auth is not None:
-            ctx_holder.append(auth)
-
-    return secure
-
-
 def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> WorkerGroup:
     """Bind the leader's sockets, publish the group spec, start this node's workers."""
     dist = (dist or DistConfig()).validate(config.tensor_parallel_size)
@@ -182,8 +160,7 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
             f"the worker endpoints would bind to {bind_host} (--master-addr "
             f"{dist.master_addr}), beyond loopback, which needs authentication: pass "
             "--curve-key-dir DIR on every node (create one with `nvllm-keys DIR`)")
-    auths: list = []
-    client = WorkerGroupClient(tp, bind_host, config.heartbeat_timeout_s, _secure(dist, auths))
+    client = WorkerGroupClient(tp, bind_host, config.heartbeat_timeout_s, dist.curve_key_dir)
     tmpdir = store = None
     try:
         spec: dict[str, Any] = {
@@ -222,7 +199,6 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
         raise
     group = WorkerGroup(client, procs, tmpdir, store)
     client.liveness_check = group.liveness
-    client.authenticators = auths  # keep the ZAP threads alive with the client
     if procs:
         logger.info("started %d local worker(s): pids %s", len(procs), group.pids)
     return group

@@ -204,6 +204,11 @@ class LLMEngine:
                 raise RequestRejected(
                     f"token id {t!r} at position {pos} is outside the vocabulary "
                     f"(valid ids are 0..{self.vocab_size - 1})")
+        if params.n > self.config.max_num_seqs:
+            # Its completions could never run together (and a huge n is a cheap way to
+            # make the leader build millions of sequences).
+            raise RequestRejected(f"n={params.n} exceeds max_num_seqs "
+                                  f"{self.config.max_num_seqs}; ask for fewer completions")
         n, limit = len(ids), self.config.max_model_len
         if n > limit:
             raise RequestRejected(f"prompt has {n} tokens, max_model_len is {limit}")

@@ -20,7 +20,7 @@ import zmq
 
 from nvllm.common import protocol
 from nvllm.common.errors import EngineDeadError, ProtocolError
-from nvllm.common.zmq_utils import bind_random, make_socket
+from nvllm.common.zmq_utils import bind_random, curve_server, curve_server_keys, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +116,23 @@ class HeartbeatMonitor:
 
 class WorkerGroupClient:
     def __init__(self, num_workers: int, host: str = "127.0.0.1",
-                 heartbeat_timeout_s: float = 4.0,
-                 secure: Callable[[zmq.Socket], None] = lambda s: None) -> None:
-        """`secure` configures each bound socket (CURVE server keys) before it binds."""
+                 heartbeat_timeout_s: float = 4.0, curve_key_dir: str | None = None) -> None:
+        """With `curve_key_dir`, every socket is a CURVE server admitting only the keys in
+        DIR/clients (workers connect with DIR/client.key_secret)."""
         self.ctx = zmq.Context()
         self.num_workers = num_workers
         self.plan_socks = [make_socket(self.ctx, zmq.PUSH) for _ in range(num_workers)]
         self.result_sock = make_socket(self.ctx, zmq.PULL, max_msg_bytes=MAX_WORKER_FRAME_BYTES)
+        self._auth = None
+
+        def secure(sock: zmq.Socket) -> None:
+            if curve_key_dir is None:
+                return
+            if self._auth is None:
+                self._auth = curve_server(self.ctx, sock, curve_key_dir)
+            else:
+                curve_server_keys(sock, curve_key_dir)
+
         for s in (*self.plan_socks, self.result_sock):
             secure(s)
         self.plan_endpoints = [bind_random(s, host) for s in self.plan_socks]
@@ -212,4 +222,6 @@ class WorkerGroupClient:
         self.heartbeats.close()
         for s in (*self.plan_socks, self.result_sock):
             s.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()

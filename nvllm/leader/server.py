@@ -217,11 +217,12 @@ class EngineServer:
                     self._owners.pop(d.request_id, None)
                     self._by_client[owner.client].pop(owner.client_rid, None)
 
-    def _sweep_silent_clients(self) -> None:
-        """Abort the requests of clients that stopped pinging (gone, or hung)."""
+    def _sweep_silent_clients(self) -> bool:
+        """Abort the requests of clients that stopped pinging (gone, or hung); at most
+        every 0.5 s (returns whether it ran)."""
         now = time.monotonic()
         if now - self._last_sweep < 0.5:
-            return
+            return False
         self._last_sweep = now
         limit = self.engine.config.client_timeout_s
         for client, live in list(self._by_client.items()):
@@ -233,6 +234,7 @@ class EngineServer:
             if not self._by_client.get(client):
                 self._by_client.pop(client, None)
                 self._last_seen.pop(client, None)
+        return True
 
     def _fail_everything(self, error: str) -> None:
         self.dead = error.split("\n")[0]
@@ -275,12 +277,18 @@ class EngineServer:
         self._drain(0)
 
     def _step(self) -> None:
-        self._sweep_silent_clients()
-        if self.dead is None and self.engine.has_unfinished_requests():
-            try:
+        swept = self._sweep_silent_clients()
+        if self.dead is not None:
+            return
+        try:
+            if self.engine.has_unfinished_requests():
                 self._emit(self.engine.step().deltas)
-            except EngineDeadError as e:
-                self._fail_everything(str(e))
+            elif swept:
+                # Idle: a worker death (or, with restart_workers, its recovery) must not
+                # wait for the next request; health answers the truth meanwhile.
+                self.engine.check_workers()
+        except EngineDeadError as e:
+            self._fail_everything(str(e))
 
     def close(self) -> None:
         self.sock.close(0)

@@ -191,3 +191,30 @@ def test_gateway_attaches_with_keys(secured, keys, procs):
     finally:
         stop_process(gateway, signal.SIGTERM)
     assert not procs.pid_alive(gateway.pid)
+
+
+def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
+    """With curve_key_dir the leader's plan/result/heartbeat sockets are CURVE servers: the
+    engine's own workers (keyed) run as usual, and a stray PULL peer on a plan endpoint,
+    which without auth could take plans round-robin, gets nothing and takes nothing."""
+    import zmq
+
+    from nvllm.common.config import DistConfig
+
+    p = SamplingParams(**GREEDY)
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2) as plain:
+        ref = [o.token_ids for o in plain.generate(PROMPTS, p, use_tqdm=False)]
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2,
+             dist=DistConfig(curve_key_dir=str(keys)), step_timeout_s=30) as llm:
+        ctx = zmq.Context()
+        thief = ctx.socket(zmq.PULL)
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.connect(llm._workers.client.plan_endpoints[1])
+        time.sleep(0.5)
+        try:
+            got = [o.token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]
+            assert got == ref
+            assert not thief.poll(200), "an unauthenticated peer received a plan"
+        finally:
+            thief.close()
+            ctx.term()

@@ -70,6 +70,8 @@ def test_rejections_name_the_limit_and_the_rest_proceed(llm):
     assert f"token id {vocab + 3}" in outs[2].error and "vocabulary" in outs[2].error
     assert "exceeds max_model_len 256" in outs[3].error and "max_tokens" in outs[3].error
     assert "empty" in outs[4].error
+    huge_n = llm.generate(good, SamplingParams(n=10**8, max_tokens=4), use_tqdm=False)[0]
+    assert "n=100000000 exceeds max_num_seqs 256" in huge_n.error
     # The engine keeps serving, and the rejected requests held no blocks.
     again = llm.generate(good, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert again[0].token_ids == outs[1].token_ids

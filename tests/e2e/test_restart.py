@@ -66,3 +66,77 @@ def test_restart_is_refused_across_nodes(tiny):
     with pytest.raises(ValueError, match="every worker on this node"):
         LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2, restart_workers=True,
             dist=DistConfig(nnodes=2, master_port=1))
+
+
+def _serve(tiny, *extra):
+    import re
+    import subprocess
+    import sys
+
+    from subproc import read_until
+
+    proc = subprocess.Popen([sys.executable, "-m", "nvllm.launch.cli", "--model", tiny("qwen3"),
+                             "--tp", "2", "--device", "cpu", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    text = read_until(proc, r"serving on tcp://", 120)
+    endpoint = re.search(r"serving on (tcp://\S+);", text).group(1)
+    pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", text).group(1).split(",")]
+    return proc, endpoint, pids
+
+
+def _wait(cond, timeout_s: float) -> float:
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_served_streams_survive_a_worker_death_with_restart(tiny, procs):
+    from subproc import stop_process
+
+    from nvllm.common.client import Client
+
+    proc, endpoint, pids = _serve(tiny, "--restart-workers")
+    params = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
+    try:
+        with Client(endpoint, timeout_s=120) as c:
+            expected = c.generate("Once upon a time", params).token_ids
+            tokens = []
+            for i, delta in enumerate(c.stream("Once upon a time", params)):
+                tokens += delta.token_ids
+                if i == 20:
+                    os.kill(pids[1], signal.SIGKILL)
+            assert tokens == expected  # no token lost, none repeated, none different
+            assert c.health()["ready"] is True
+            assert "nvllm:worker_restarts_total" in c.metrics()
+            # Idle: a death is handled without waiting for the next request.
+            new = procs.worker_pids_of(proc.pid)
+            assert len(new) == 2 and set(new).isdisjoint(pids)
+            os.kill(new[0], signal.SIGKILL)
+            _wait(lambda: set(procs.worker_pids_of(proc.pid)).isdisjoint(new)
+                  and len(procs.worker_pids_of(proc.pid)) == 2, 60)
+            assert c.generate("Once upon a time", params).token_ids == expected
+    finally:
+        stop_process(proc, signal.SIGINT)
+
+
+def test_an_idle_engine_reports_a_worker_death_at_once(tiny, procs):
+    from subproc import stop_process
+
+    from nvllm.common.client import Client
+
+    proc, endpoint, pids = _serve(tiny)
+    try:
+        with Client(endpoint, timeout_s=30) as c:
+            assert c.health()["ready"] is True
+            os.kill(pids[0], signal.SIGKILL)
+            took = _wait(lambda: c.health()["ready"] is False, 10)
+            assert took < 5
+            assert "worker rank 0" in c.health()["reason"]
+            with pytest.raises(EngineDeadError, match="rank 0"):
+                c.generate("Hi", {"max_tokens": 2})
+    finally:
+        stop_process(proc, signal.SIGINT)

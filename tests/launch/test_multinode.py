@@ -39,16 +39,20 @@ def generated(stdout: str) -> str:
     return m.group(1).strip()
 
 
-def test_two_nodes_on_loopback_match_tp1(tiny, expected, procs):
+def test_two_nodes_on_loopback_match_tp1(tiny, expected, procs, tmp_path):
+    from nvllm.common.zmq_utils import generate_keys
+
+    # CURVE on the worker sockets, as a real multi-node run needs beyond loopback.
+    keys = ["--curve-key-dir", str(generate_keys(tmp_path / "keys"))]
     port = free_port()
     # Node 1 first: it waits for node 0's leader to publish the engine spec.
     node1 = subprocess.Popen([*LAUNCH, "--nnodes", "2", "--node-rank", "1", "--master-port",
-                              str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+                              str(port), *keys], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     try:
         node0 = subprocess.run([*LAUNCH, "--model", tiny("qwen3"), "--tp", "2", "--nnodes", "2",
-                                "--master-addr", "127.0.0.1", "--master-port", str(port), *GEN],
-                               capture_output=True, text=True, timeout=180)
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), *keys,
+                                *GEN], capture_output=True, text=True, timeout=180)
         assert node0.returncode == 0, node0.stderr
         assert generated(node0.stdout) == expected
         # The leader shut the group down: node 1's launcher and its worker exit cleanly.
@@ -67,6 +71,16 @@ def test_torchrun_matches_tp1(tiny, expected):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tp=2" in out.stdout
     assert generated(out.stdout) == expected
+
+
+def test_unauthenticated_binds_beyond_loopback_are_refused_up_front(tiny):
+    for args, words in ((["--host", "0.0.0.0"], "--curve-key-dir"),
+                        (["--nnodes", "2", "--master-port", "5", "--master-addr", "10.9.9.9"],
+                         "--master-addr 10.9.9.9"),
+                        (["--http-port", "1", "--http-host", "0.0.0.0"], "--api-key")):
+        out = subprocess.run([*LAUNCH, "--model", tiny("qwen3"), *args], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2 and words in out.stderr, out.stderr
 
 
 def test_slurm_env_translation():
