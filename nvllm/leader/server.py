@@ -35,6 +35,9 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
 MIN_FRAME_BYTES = 1024
 IDLE_POLL_MS = 100
+# Error codes that mean a malformed or hostile frame (not a request the engine refused).
+_HOSTILE_CODES = frozenset({"bad_frame", "bad_op", "bad_version", "invalid_request"})
+_LOG_PER_S = 10
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ class EngineServer:
         self._last_seen: dict[bytes, float] = {}
         self._ids = itertools.count()
         self._last_sweep = time.monotonic()
+        self._log_window = [0.0, 0]  # [window start, bad frames logged in it]
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -95,6 +99,18 @@ class EngineServer:
             logger.warning("dropping a message to a client that does not read")
 
     def _error(self, client: bytes, rid: Any, code: str, message: str) -> None:
+        # Every refusal is logged (malformed frames as warnings), but a flood of garbage
+        # must not become a flood of log lines.
+        now = time.monotonic()
+        if now - self._log_window[0] > 1.0:
+            if self._log_window[1] > _LOG_PER_S:
+                logger.warning("... and %d more error replies in the last second",
+                               self._log_window[1] - _LOG_PER_S)
+            self._log_window = [now, 0]
+        self._log_window[1] += 1
+        if self._log_window[1] <= _LOG_PER_S:
+            logger.log(logging.WARNING if code in _HOSTILE_CODES else logging.INFO,
+                       "client %s: %s: %s", client.hex()[:10], code, message[:200])
         self._send(client, {"op": "error", "id": rid, "code": code, "message": message})
 
     # ---- receiving ---------------------------------------------------------------------

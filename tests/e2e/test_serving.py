@@ -227,12 +227,15 @@ _BAD_UTF8 = (b"\x83" + _pack("op") + _pack("submit") + _pack("id") + _pack("u")
         "id-type", "prompt-int", "prompt-bin", "params-type", "param-type", "ids-type",
         "priority-type", "ttl-nan", "stream-type", "id-over-vocab", "id-negative",
         "id-float"])
-def test_hostile_frames_get_an_error_and_the_engine_keeps_serving(served, frame, rid, code):
+def test_hostile_frames_get_an_error_and_the_engine_keeps_serving(served, frame, rid, code,
+                                                                 caplog):
+    caplog.set_level("INFO", logger="nvllm.leader.server")
     with Client(served.endpoint, timeout_s=60) as c:
         c._sock.send(frame)
         err = c._recv(time.monotonic() + 30)
         assert (err["op"], err["id"], err["code"]) == ("error", rid, code), err
         assert err["message"]
+        assert any(f": {code}: " in r.getMessage() for r in caplog.records), "not logged"
         assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
     wait_idle(served.llm)
 
