@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a session that is lent a GPU (see README "GPU checks"): kernel tests on
-# CUDA, the engine's CUDA exactness tests, and the kernel benchmark; results go to
-# ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json). Budget: < 8 minutes.
+# CUDA, the engine's CUDA exactness tests, the CUDA IPC transport self-test, and the kernel
+# benchmark; results go to ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json).
+# Budget: < 8 minutes.
 #
 # The GPU image has torch, triton, transformers, msgpack, click, xxhash, pytest but no
 # pyzmq: carry it as a wheel in .whl/ (git-ignored), prepared on the CPU machine with
@@ -36,6 +37,8 @@ run() {  # run NAME TIMEOUT CMD...: log it, keep going, remember failures
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o "addopts=--import-mode=importlib")
 run kernel-tests 150 "${PYTEST[@]}" tests/kernels
 run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
+# CUDA IPC transport through the image's CuPy: writer + a subprocess reader (exit 2: no CuPy)
+run transport-cuda 90 python3 -m nvllm.common.transport --selftest-cuda
 run bench-kernels 120 python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json"
 echo "device check: $([ $status = 0 ] && echo PASSED || echo FAILED); log in $LOG" | tee -a "$LOG"
 exit $status

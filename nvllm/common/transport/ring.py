@@ -1,0 +1,580 @@
+"""The writer's ring of reusable regions and the reader that resolves refs into it.
+
+Segment layout (one POSIX shared-memory segment per writer, named ``nvllm-tr-PID-TOKEN``):
+
+    [0, 64)       header: magic, layout version, payload kind (SHM or CUDA), num_slots,
+                  slot_bytes, table offset, data offset, payload bytes
+    [64, 160)     CUDA rings only: the payload's IPC handle and its GPU's PCI bus id
+    [table, +8n)  the region table: one uint64 generation per slot (0 = being written)
+    [data, ...)   SHM rings: the payload, num_slots * slot_bytes (CUDA rings keep it on the GPU)
+
+A region is a run of consecutive slots holding the arrays of one reservation. The
+writer hands regions out in ring order and reuses one only when every reader has
+acknowledged its generation; a reader checks the table against a ref's generation, so
+a region that was rewritten (or is being written) is refused, never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+from nvllm.common.errors import NvllmError
+from nvllm.common.transport.refs import (
+    CUDA,
+    DTYPES,
+    INLINE,
+    KIND_NAMES,
+    SHM,
+    ArrayRef,
+    BadRef,
+    RingFull,
+    StaleRef,
+    _to_host,
+    dtype_name,
+    inline_ref,
+)
+
+try:  # the module SharedMemory itself uses; readers map segments read-only through it
+    import _posixshmem
+except ImportError:  # Windows: no POSIX shared memory; only inline transport works there
+    _posixshmem = None
+
+logger = logging.getLogger(__name__)
+MAGIC, VERSION = b"NVLLMTR1", 1
+_HDR = struct.Struct("<8s7Q")
+_CUDA_HDR = struct.Struct("<64s32s")  # at offset 64
+HEADER_BYTES = 256
+ALIGN = 64  # arrays in a region start on cache-line (and any dtype's) alignment
+
+
+class TransportError(NvllmError, RuntimeError):
+    """A writer cannot be set up here (no room in /dev/shm, no CuPy, no GPU, ...)."""
+
+
+def new_buffer_name() -> str:
+    """Unique per writer (two engines side by side never collide); "nvllm" in it so the
+    leak checks over /dev/shm see it, and the pid says whose it is."""
+    return f"nvllm-tr-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class _Owned:
+    """What the finalizer releases: the segment, the views into it (dropped first, or
+    SharedMemory.close raises BufferError), and the CUDA payload if any. Kept apart from
+    the writer so that weakref.finalize does not keep the writer alive."""
+
+    __slots__ = ("shm", "table", "data", "cuda", "pid")
+
+    def __init__(self, shm: SharedMemory) -> None:
+        self.shm, self.table, self.data, self.cuda = shm, None, None, None
+        self.pid = os.getpid()
+
+
+def _release(owned: _Owned) -> None:
+    if os.getpid() != owned.pid:  # a forked child exiting: the ring is its parent's
+        return
+    owned.table = owned.data = None
+    shm = owned.shm
+    try:
+        shm.unlink()  # first: the name goes at once, the memory when the last mapping does
+    except FileNotFoundError:
+        pass
+    if owned.cuda is not None:
+        cuda, owned.cuda = owned.cuda, None
+        try:
+            cuda.free()
+        except Exception as e:  # at exit the CUDA context may be gone: the driver frees it
+            logger.warning("freeing the CUDA payload of %s: %s", cuda.name, e)
+    try:
+        shm.close()
+    except BufferError:
+        # A caller still holds arrays of a reservation: the mapping stays
+        # until they die; stop SharedMemory.__del__ from retrying (and warning).
+        try:
+            os.close(shm._fd)
+        except (AttributeError, OSError):
+            pass
+        shm._buf = shm._mmap = None
+        shm._fd = -1
+
+
+class Reservation:
+    """Arrays to fill in place, then `commit()` for their refs (or `abort()`).
+
+    Writable views into the ring (numpy on SHM rings, CuPy on CUDA rings; plain numpy
+    when the payload goes inline). Refs exist only after commit, and the arrays must not
+    be touched after it: readers may be looking at them. Used as a context manager, a
+    reservation left uncommitted is aborted.
+    """
+
+    __slots__ = ("writer", "arrays", "generation", "_layout", "_slots", "_base", "_done",
+                 "__weakref__")
+
+    def __init__(self, writer: ArrayWriter, arrays: list, layout: list,
+                 slots: tuple[int, int] | None, generation: int, base: int) -> None:
+        self.writer, self.arrays, self.generation = writer, arrays, generation
+        self._layout, self._slots, self._base, self._done = layout, slots, base, False
+
+    @property
+    def inline(self) -> bool:
+        return self._slots is None
+
+    def commit(self) -> list[ArrayRef]:
+        if self._done:
+            raise RuntimeError("this reservation was already committed or aborted")
+        self._done = True
+        arrays, self.arrays = self.arrays, []
+        if self._slots is None:
+            return [inline_ref(a) for a in arrays]
+        w = self.writer
+        w._publish(self._slots, self.generation)
+        kind, name, base = w.kind_code, w.name, self._base
+        return [ArrayRef(kind, dt, shape, name, base + off, self.generation) if n else
+                ArrayRef(INLINE, dt, shape, data=b"")  # an empty array needs no region
+                for shape, dt, off, n in self._layout]
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.arrays = []
+            if self._slots is not None:
+                self.writer._abort(self._slots)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class ArrayWriter:
+    """Owns one ring; turns arrays into ArrayRefs. One producer thread; acks may come
+    from any thread (a writer waiting for room wakes on them).
+
+    kind: "shm" (host shared memory), "cuda" (payload in GPU memory of `device`, shared
+    by CUDA IPC through CuPy), or "inline" (no ring: every ref carries its bytes; for
+    readers on other hosts). capacity_bytes / slot_bytes: the ring's size and its
+    allocation unit; a payload takes whole slots. num_readers: how many readers must
+    acknowledge a generation before its region is reused. timeout_s: how long a
+    reservation waits for room before RingFull. min_shm_bytes: payloads smaller than
+    this go inline (for tiny arrays a region and its ack cost more than the bytes).
+    """
+
+    def __init__(self, kind: str = "shm", *, capacity_bytes: int = 16 << 20,
+                 slot_bytes: int = 64 << 10, num_readers: int = 1, timeout_s: float = 1.0,
+                 min_shm_bytes: int = 0, device: int | None = None) -> None:
+        if kind not in ("shm", "cuda", "inline"):
+            raise ValueError(f"kind must be 'shm', 'cuda' or 'inline', got {kind!r}")
+        if num_readers < 1 or slot_bytes < ALIGN or slot_bytes % ALIGN:
+            raise ValueError(f"need num_readers >= 1 and slot_bytes a multiple of {ALIGN}")
+        self.kind = kind
+        self.kind_code = {"shm": SHM, "cuda": CUDA, "inline": INLINE}[kind]
+        self.num_readers, self.timeout_s, self.min_shm_bytes = num_readers, timeout_s, \
+            min_shm_bytes
+        self.slot_bytes = slot_bytes
+        self.num_slots = max(1, capacity_bytes // slot_bytes)
+        self.capacity = self.num_slots * slot_bytes
+        self.name = ""
+        self._cond = threading.Condition()
+        self._acked = [0] * num_readers  # per reader: every generation <= this is done
+        self._slot_gen = np.zeros(self.num_slots, np.int64)  # writer's copy of the table
+        self._next_gen, self._committed, self._cursor = 1, 0, 0
+        self._open: weakref.ref | None = None
+        self._owned: _Owned | None = None
+        self._closed = False
+        self._device = device
+        self.num_shm = self.num_inline = 0  # reservations of each sort, for stats
+        if kind != "inline":
+            self._create()
+
+    def _create(self) -> None:
+        if _posixshmem is None:
+            raise TransportError("shared-memory transport needs POSIX shared memory; use "
+                                 "kind='inline' on this platform")
+        table_end = HEADER_BYTES + 8 * self.num_slots
+        data_off = _round_up(table_end, mmap.PAGESIZE) if self.kind == "shm" else 0
+        size = data_off + self.capacity if self.kind == "shm" else table_end
+        self.name = new_buffer_name()
+        try:
+            shm = SharedMemory(self.name, create=True, size=size)
+        except OSError as e:
+            raise TransportError(f"cannot create shared memory {self.name!r} ({e}); use "
+                                 "kind='inline'") from None
+        owned = self._owned = _Owned(shm)
+        # From here the finalizer unlinks on close(), on garbage collection and at exit;
+        # a killed process leaves it to multiprocessing's resource tracker, which
+        # SharedMemory(create=True) registered it with.
+        self._finalizer = weakref.finalize(self, _release, owned)
+        try:
+            # tmpfs pages are taken on first touch: reserve them now, so a full /dev/shm
+            # is an error here rather than a SIGBUS in the middle of a step.
+            fd = getattr(shm, "_fd", -1)
+            if fd >= 0 and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            buf = shm.buf
+            _HDR.pack_into(buf, 0, MAGIC, VERSION, self.kind_code, self.num_slots,
+                           self.slot_bytes, HEADER_BYTES, data_off, self.capacity)
+            # np.frombuffer, never np.ndarray(buffer=...): only frombuffer holds a buffer
+            # export, so the mapping cannot be closed under a live view (close() raises
+            # BufferError instead, and the views keep it mapped).
+            owned.table = np.frombuffer(buf, np.uint64, self.num_slots, HEADER_BYTES)
+            if self.kind == "shm":
+                owned.data = np.frombuffer(buf, np.uint8, self.capacity, data_off)
+            else:
+                from nvllm.common.transport.cuda import CudaPayload
+
+                owned.cuda = CudaPayload(self.name, self.capacity, self._device)
+                _CUDA_HDR.pack_into(buf, 64, owned.cuda.handle,
+                                    owned.cuda.pci_bus_id.encode("ascii"))
+        except OSError as e:
+            self.close()
+            raise TransportError(f"cannot set up a {self.capacity}-byte transport ring in "
+                                 f"/dev/shm ({e}): free space there, lower capacity_bytes, "
+                                 "or use kind='inline'") from None
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- writing ----------------------------------------------------------------------
+
+    def reserve(self, specs: Sequence[tuple[Sequence[int], Any]],
+                timeout_s: float | None = None) -> Reservation:
+        """Room for arrays of the given (shape, dtype)s in one region, under one
+        generation. Waits up to timeout_s (default: the writer's) for readers to
+        acknowledge older regions, then raises RingFull."""
+        layout, total = [], 0
+        for shape, dtype in specs:
+            dt = dtype_name(dtype)
+            shape = tuple(int(d) for d in shape)
+            n = math.prod(shape) * DTYPES[dt].itemsize
+            layout.append((shape, dt, total, n))
+            total += _round_up(n, ALIGN)
+        if self._closed:
+            raise RuntimeError("this ArrayWriter is closed")
+        if self.kind == "inline" or total == 0 or total < self.min_shm_bytes:
+            self.num_inline += 1
+            return Reservation(self, [np.empty(s, DTYPES[dt]) for s, dt, _, _ in layout],
+                               layout, None, 0, 0)
+        start, k, gen = self._alloc(total, timeout_s)
+        base = start * self.slot_bytes
+        arrays = [self._view(base + off, shape, dt) for shape, dt, off, _ in layout]
+        res = Reservation(self, arrays, layout, (start, k), gen, base)
+        self._open = weakref.ref(res)
+        self.num_shm += 1
+        return res
+
+    def put_many(self, arrays: Sequence[Any], timeout_s: float | None = None
+                 ) -> list[ArrayRef]:
+        """Copy arrays into one region (or inline) and return their refs, in order.
+        Accepts numpy arrays, anything np.asarray takes, and on CUDA rings CUDA arrays
+        (CuPy, torch: anything with __cuda_array_interface__, made on the legacy
+        default stream or synchronized before this call)."""
+        on_gpu = self.kind == "cuda"
+        srcs = [a if on_gpu and hasattr(a, "__cuda_array_interface__") else _to_host(a)
+                for a in arrays]
+        res = self.reserve([(a.shape, a.dtype) for a in srcs], timeout_s)
+        if res.inline:  # straight to bytes, no staging copy
+            res.abort()
+            return [inline_ref(a) for a in srcs]
+        try:
+            for (_, dt, off, n), dst, src in zip(res._layout, res.arrays, srcs):
+                if n and on_gpu:
+                    self._owned.cuda.copy_in(res._base + off, src, DTYPES[dt])
+                elif n:
+                    np.copyto(dst, src, casting="equiv")  # equiv: byte order may differ
+        except BaseException:
+            res.abort()
+            raise
+        return res.commit()
+
+    def put(self, array: Any, timeout_s: float | None = None) -> ArrayRef:
+        return self.put_many([array], timeout_s)[0]
+
+    # ---- acknowledgements -------------------------------------------------------------
+
+    def acked(self, reader: int, generation: int) -> None:
+        """Reader `reader` (0..num_readers-1) is done with every generation up to
+        `generation` (cumulative: repeats and reordering are harmless)."""
+        if not 0 <= reader < self.num_readers:
+            raise ValueError(f"reader {reader} out of range (num_readers={self.num_readers})")
+        with self._cond:
+            # Never past what was committed: a bogus ack must not free a region that is
+            # still being written.
+            g = min(int(generation), self._committed)
+            if g > self._acked[reader]:
+                self._acked[reader] = g
+                self._cond.notify_all()
+
+    def acked_all(self, generation: int) -> None:
+        """Every reader is done up to `generation` (e.g. the result of a lockstep step)."""
+        for r in range(self.num_readers):
+            self.acked(r, generation)
+
+    def reclaim_all(self) -> None:
+        """The readers are gone (a replaced worker group): every region is free again."""
+        self.acked_all(self._committed)
+
+    def holders(self, generation: int) -> int:
+        """How many readers have not yet acknowledged `generation`."""
+        with self._cond:
+            return sum(a < generation for a in self._acked)
+
+    @property
+    def last_generation(self) -> int:
+        """The newest committed generation (0: none yet)."""
+        return self._committed
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _view(self, offset: int, shape: tuple[int, ...], dt: str) -> Any:
+        n = math.prod(shape) * DTYPES[dt].itemsize
+        if self.kind == "shm":
+            return self._owned.data[offset:offset + n].view(DTYPES[dt]).reshape(shape)
+        return self._owned.cuda.view(offset, shape, DTYPES[dt])
+
+    def _alloc(self, nbytes: int, timeout_s: float | None) -> tuple[int, int, int]:
+        k = -(-nbytes // self.slot_bytes)
+        if k > self.num_slots:
+            raise ValueError(f"a payload of {nbytes} bytes is larger than the whole ring "
+                             f"({self.capacity} bytes): raise capacity_bytes or send it "
+                             "inline (inline_ref)")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._open is not None and self._open() is not None and \
+                    not self._open()._done:
+                raise RuntimeError("one reservation at a time: commit or abort the open "
+                                   "one first (acks are cumulative, so generations must be "
+                                   "sent in the order they were reserved)")
+            # A region never wraps: if it does not fit before the end, it starts at 0.
+            start = self._cursor if self._cursor + k <= self.num_slots else 0
+            while True:
+                floor = min(self._acked)
+                held = int(self._slot_gen[start:start + k].max())
+                if held <= floor:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    lagging = [r for r, a in enumerate(self._acked) if a < held]
+                    raise RingFull(
+                        f"transport ring {self.name}: no free region of {nbytes} bytes "
+                        f"after {timeout:.2f} s: slots {start}..{start + k - 1} still hold "
+                        f"generation {held}, and reader(s) {lagging} acknowledged only up "
+                        f"to {[self._acked[r] for r in lagging]}. A region is reused only "
+                        "once every reader acknowledged it: call ArrayWriter.acked(reader, "
+                        "generation) (or acked_all) when the readers answer, e.g. on each "
+                        f"step result; or raise capacity_bytes (now {self.capacity}); or "
+                        "send this payload inline (inline_ref)")
+                self._cond.wait(left)
+            gen = self._next_gen
+            self._next_gen += 1
+            self._slot_gen[start:start + k] = gen
+            # 0 = being written: a stale ref into these slots is refused from now on.
+            self._owned.table[start:start + k] = 0
+            self._cursor = (start + k) % self.num_slots
+            return start, k, gen
+
+    def _publish(self, slots: tuple[int, int], generation: int) -> None:
+        start, k = slots
+        if self.kind == "cuda":
+            self._owned.cuda.sync()  # the copies must be done before any reader looks
+        with self._cond:
+            self._owned.table[start:start + k] = generation
+            self._committed = generation
+
+    def _abort(self, slots: tuple[int, int]) -> None:
+        start, k = slots
+        with self._cond:
+            self._slot_gen[start:start + k] = 0  # free again; the table keeps 0
+            self._cond.notify_all()
+
+    # ---- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unlink the segment (and free the GPU payload). Readers' existing mappings stay
+        valid until they drop them; new refs to this ring no longer resolve."""
+        self._closed = True
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
+
+    def __enter__(self) -> ArrayWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ArrayWriter({self.kind!r}, name={self.name!r}, slots={self.num_slots}x"
+                f"{self.slot_bytes}, readers={self.num_readers}, acked={self._acked})")
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+
+class _Segment:
+    """A reader's read-only mapping of one ring."""
+
+    __slots__ = ("name", "kind", "mm", "table", "num_slots", "slot_bytes", "data_offset",
+                 "payload_bytes", "cuda_info", "cuda")
+
+    def __init__(self, name: str) -> None:
+        if _posixshmem is None:
+            raise BadRef("shared-memory refs need POSIX shared memory on the reader")
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
+        except FileNotFoundError:
+            raise BadRef(f"unknown buffer {name!r}: no shared-memory segment of that name "
+                         "on this host (its writer closed it, or this reader runs on "
+                         "another host: readers elsewhere need kind='inline')") from None
+        except OSError as e:
+            raise BadRef(f"cannot open buffer {name!r}: {e}") from None
+        # Mapped read-only and never through SharedMemory: no resource_tracker sees it
+        # (a tracker unlinks what it saw at exit, and unregistering from a tracker shared
+        # with the owner would drop the owner's entry), and a reader cannot scribble on
+        # the writer's ring.
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise BadRef(f"buffer {name!r} is not an nvllm transport ring")
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, kind, n, slot_bytes, table_off, data_off, payload = \
+            _HDR.unpack_from(self.mm, 0)
+        table_end = table_off + 8 * n
+        ok = (magic == MAGIC and version == VERSION and kind in (SHM, CUDA) and n >= 1
+              and slot_bytes >= 1 and payload == n * slot_bytes and table_off >= HEADER_BYTES
+              and table_off % 8 == 0 and table_end <= size
+              and (kind == CUDA or (data_off >= table_end and data_off + payload <= size)))
+        if not ok:
+            raise BadRef(f"buffer {name!r} is not an nvllm transport ring of version "
+                         f"{VERSION} (bad header)")
+        self.name, self.kind, self.num_slots, self.slot_bytes = name, kind, n, slot_bytes
+        self.data_offset, self.payload_bytes = data_off, payload
+        self.table = np.frombuffer(self.mm, np.uint64, n, table_off)
+        self.cuda_info = _CUDA_HDR.unpack_from(self.mm, 64) if kind == CUDA else None
+        self.cuda = None  # opened at the first CUDA ref
+
+    def close(self) -> None:
+        self.table = self.cuda = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # arrays handed out still map it; it goes when they do
+
+
+class ArrayReader:
+    """Resolves ArrayRefs to arrays: numpy views for inline and SHM refs (read-only,
+    zero-copy), CuPy arrays for CUDA refs. Attaches to rings lazily by name and caches
+    the mappings (at most max_buffers; the oldest is dropped beyond that).
+
+    A view is valid until this reader releases its generation: copy what must outlive
+    the step (np.array(view), torch.tensor(view)), or keep the generation unreleased.
+    """
+
+    def __init__(self, max_buffers: int = 16) -> None:
+        self.max_buffers = max_buffers
+        self._segments: dict[str, _Segment] = {}
+        self._released = 0
+
+    def get(self, ref: ArrayRef | list) -> Any:
+        """The array a ref (or its list form) points at; BadRef/StaleRef if it cannot be
+        resolved or the region holds another generation."""
+        ref = ArrayRef.decode(ref)
+        dt = DTYPES[ref.dtype]
+        if ref.kind == INLINE:
+            return np.frombuffer(ref.data, dt).reshape(ref.shape)
+        seg = self._verify(ref)
+        if ref.kind == SHM:
+            return np.frombuffer(seg.mm, dt, math.prod(ref.shape),
+                                 seg.data_offset + ref.offset).reshape(ref.shape)
+        if seg.cuda is None:
+            from nvllm.common.transport.cuda import CudaImport
+
+            handle, pci = seg.cuda_info
+            seg.cuda = CudaImport(seg.name, handle, pci.rstrip(b"\0").decode("ascii",
+                                                                             "replace"),
+                                  seg.payload_bytes)
+        return seg.cuda.view(ref.offset, ref.shape, dt)
+
+    def get_many(self, refs: Sequence[ArrayRef | list]) -> list:
+        return [self.get(r) for r in refs]
+
+    def check(self, ref: ArrayRef | list) -> None:
+        """Raise StaleRef if the ref's region no longer holds its generation (call after
+        using a view to prove it was not rewritten meanwhile)."""
+        ref = ArrayRef.decode(ref)
+        if ref.kind != INLINE:
+            self._verify(ref)
+
+    def release(self, generation: int) -> int:
+        """Record that this reader is done with every generation up to `generation`;
+        returns the cumulative value to send back for the writer's `acked`."""
+        if isinstance(generation, int) and generation > self._released:
+            self._released = generation
+        return self._released
+
+    @property
+    def released(self) -> int:
+        return self._released
+
+    def _segment(self, name: str) -> _Segment:
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = _Segment(name)
+            if len(self._segments) >= self.max_buffers:
+                self._segments.pop(next(iter(self._segments))).close()
+            self._segments[name] = seg
+        return seg
+
+    def _verify(self, ref: ArrayRef) -> _Segment:
+        seg = self._segment(ref.buffer)
+        if seg.kind != ref.kind:
+            raise BadRef(f"a {KIND_NAMES[ref.kind]} ref to buffer {ref.buffer!r}, which holds "
+                         f"a {KIND_NAMES[seg.kind]} ring")
+        nbytes = ref.nbytes
+        end = ref.offset + nbytes
+        if end > seg.payload_bytes or (nbytes == 0 and ref.offset >= seg.payload_bytes):
+            raise BadRef(f"array ref: bytes [{ref.offset}, {end}) are outside buffer "
+                         f"{ref.buffer!r} ({seg.payload_bytes} bytes)")
+        first = ref.offset // seg.slot_bytes
+        last = (end - 1) // seg.slot_bytes if nbytes else first
+        table = seg.table
+        # One slot is the common case: a scalar read beats a numpy reduction.
+        if (int(table[first]) != ref.generation if first == last
+                else (table[first:last + 1] != ref.generation).any()):
+            found = sorted({int(g) for g in table[first:last + 1]})
+            raise StaleRef(f"buffer {ref.buffer!r} slots {first}..{last} hold generation(s) "
+                           f"{found} (0 = being written), the ref says {ref.generation}: the "
+                           "region was rewritten since the ref was made (an acknowledgement "
+                           "for it reached the writer before this read, or the ref is old)")
+        return seg
+
+    def close(self) -> None:
+        """Drop every mapping (views still alive keep theirs until they die)."""
+        segs, self._segments = self._segments, {}
+        for seg in segs.values():
+            seg.close()
+
+    def __enter__(self) -> ArrayReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
