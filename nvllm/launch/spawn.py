@@ -173,14 +173,19 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
         if dist.uses_store:
             from torch.distributed import TCPStore
 
-            # Under torchrun the agent already hosts the store at MASTER_PORT; else we do.
+            # Under torchrun the agent already hosts the store at MASTER_PORT; else we do
+            # (and if the port turns out taken by a store, we join that one).
+            timeout = config.worker_start_timeout_s
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                store = connect_store(dist.master_addr, dist.master_port,
-                                      config.worker_start_timeout_s)
+                store = connect_store(dist.master_addr, dist.master_port, timeout)
             else:
-                store = TCPStore(dist.master_addr, dist.master_port, is_master=True,
-                                 wait_for_workers=False,
-                                 timeout=timedelta(seconds=config.worker_start_timeout_s))
+                try:
+                    store = TCPStore(dist.master_addr, dist.master_port, is_master=True,
+                                     wait_for_workers=False, timeout=timedelta(seconds=timeout))
+                except Exception as e:  # DistNetworkError and friends: the port is in use
+                    logger.info("cannot host the store on port %d (%s); joining the one "
+                                "there", dist.master_port, str(e).split("\n")[0])
+                    store = connect_store(dist.master_addr, dist.master_port, timeout)
             # A fresh prefix per group keeps a restarted group off the old one's keys.
             spec["rendezvous"] = {"tcp": [dist.master_addr, dist.master_port],
                                   "prefix": f"nvllm/pg/{os.getpid()}/{time.time_ns()}/"}
