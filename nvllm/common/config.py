@@ -96,6 +96,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = DEFAULT_CPU_KV_CACHE_GIB
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # CPU, torch backend: keep each running sequence's K/V also contiguous (within the
+    # cpu_kv_cache_gib budget again), so attention stops re-gathering paged blocks.
+    cpu_kv_mirror: bool = True
     seed: int = 0
     max_queued_requests: int | None = None  # beyond it, submissions are refused at once
     batch_timeout_ms: float = 0.0  # idle engine: wait this long for more arrivals

@@ -22,6 +22,11 @@ class AttentionMetadata:
     # Host copies, so loops over sequences need no device syncs.
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
+    # Optional (torch backend on CPU): per sequence a contiguous copy of its K/V,
+    # [layers, 2, capacity, kv_heads, head_dim], or None. Attention then appends this
+    # step's K/V to it and reads it in place, instead of gathering the paged blocks
+    # into a fresh copy in every layer of every step.
+    seq_kv: list[torch.Tensor | None] | None = None
 
     @property
     def num_seqs(self) -> int:

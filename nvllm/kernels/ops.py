@@ -56,10 +56,13 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") 
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                    backend: str = "torch") -> torch.Tensor:
+                    backend: str = "torch", k_new=None, v_new=None,
+                    layer: int = 0) -> torch.Tensor:
+    """k_new/v_new/layer feed the torch backend's contiguous per-sequence copies
+    (meta.seq_kv, CPU); the Triton kernels read the paged cache directly."""
     if backend == "triton":
         return _triton_attention().paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, layer)
 
 
 def rms_norm(x, weight, eps: float, backend: str = "torch") -> torch.Tensor:

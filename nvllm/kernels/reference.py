@@ -27,12 +27,15 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
     """Causal attention of each query run over its sequence's cached context.
 
     q: [T, heads, d]; query token j of a run of n tokens for a sequence whose context
     is L tokens sits at position L - n + j and sees keys 0..L - n + j. GQA: query head h
-    reads KV head h // (heads // kv_heads).
+    reads KV head h // (heads // kv_heads). A sequence with a contiguous copy in
+    meta.seq_kv gets this step's K/V (k_new, v_new: [T, kv_heads, d]) appended to it at
+    `layer` and is read from it; the values are the same as the paged blocks'.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -44,10 +47,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         n = e - s
         if n == 0:
             continue
-        nblk = -(-ctx // block_size)
-        blocks = meta.block_tables[i, :nblk].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        buf = meta.seq_kv[i] if meta.seq_kv is not None else None
+        if buf is not None and k_new is not None:
+            buf[layer, 0, ctx - n:ctx] = k_new[s:e]
+            buf[layer, 1, ctx - n:ctx] = v_new[s:e]
+            k, v = buf[layer, 0, :ctx], buf[layer, 1, :ctx]
+        else:
+            nblk = -(-ctx // block_size)
+            blocks = meta.block_tables[i, :nblk].long()
+            k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         ki = k.transpose(0, 1).unsqueeze(0)
         vi = v.transpose(0, 1).unsqueeze(0)

@@ -34,6 +34,7 @@ class WorkerSeq:
     num_computed_tokens: int
     block_table: list[int]
     sampling: protocol.WorkerSampling
+    kv: torch.Tensor | None = None  # contiguous K/V copy [layers, 2, cap, kv_heads, d]
 
 
 class ModelRunner:
@@ -56,6 +57,12 @@ class ModelRunner:
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
         self.seqs: dict[int, WorkerSeq] = {}
         self.kv_cache: torch.Tensor | None = None
+        # Contiguous per-sequence K/V on CPU (see AttentionMetadata.seq_kv): a second copy
+        # of what running sequences hold, so it gets its own budget.
+        self.mirror = (device.type == "cpu" and self.backend == "torch"
+                       and config.cpu_kv_mirror)
+        self.mirror_budget = int(config.cpu_kv_cache_gib * (1 << 30))
+        self.mirror_bytes = 0
         attn0 = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
 
@@ -86,6 +93,43 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+            layer.self_attn.attn.layer_idx = i
+
+    def _drop(self, sid: int) -> None:
+        seq = self.seqs.pop(sid, None)
+        if seq is not None and seq.kv is not None:
+            self.mirror_bytes -= seq.kv.nbytes
+
+    def _mirror_for(self, seq: WorkerSeq, end: int) -> torch.Tensor | None:
+        """The sequence's contiguous K/V with room for `end` tokens (grown by doubling;
+        built from the paged cache if it starts mid-sequence, e.g. after a prefix hit).
+        None (gather from the pages) when the budget is spent."""
+        kv = seq.kv
+        if kv is not None and kv.shape[2] >= end:
+            return kv
+        cap = max(64, end, 2 * kv.shape[2] if kv is not None else 0)
+        cap = min(cap, max(end, self.config.max_model_len))
+        _, layers, _, bs, kvh, d = self.kv_cache.shape
+        grow = 2 * layers * cap * kvh * d * self.dtype.itemsize - (0 if kv is None else kv.nbytes)
+        if self.mirror_bytes + grow > self.mirror_budget:
+            if kv is not None:  # keep the sequence on one path: drop its copy entirely
+                self.mirror_bytes -= kv.nbytes
+                seq.kv = None
+            logger.debug("contiguous K/V budget spent: a sequence reads its pages")
+            return None
+        new = torch.empty(layers, 2, cap, kvh, d, dtype=self.dtype, device=self.device)
+        done = seq.num_computed_tokens
+        if kv is not None:
+            new[:, :, :done] = kv[:, :, :done]
+        elif done:
+            blocks = torch.tensor(seq.block_table[:-(-done // bs)], device=self.device)
+            pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)[:, :, :done]
+            new[:, :, :done] = pages.transpose(0, 1)
+        logger.debug("contiguous K/V: %s to %d tokens (%d computed)",
+                     "grown" if kv is not None else ("built" if done else "new"), cap, done)
+        self.mirror_bytes += grow
+        seq.kv = new
+        return new
 
     # ---- one step -------------------------------------------------------------------
 
@@ -138,7 +182,7 @@ class ModelRunner:
 
     def _apply_plan(self, plan: protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
         for sid in plan.finished_ids:
-            self.seqs.pop(sid, None)
+            self._drop(sid)
         batch = []
         for ns in plan.new_seqs:
             seq = WorkerSeq(ns.token_ids, ns.num_prompt_tokens, ns.num_computed_tokens,
@@ -171,6 +215,9 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         meta, positions = build_metadata(query_lens, context_lens,
                                          [s.block_table for _, s, _ in batch], bs, self.device)
+        if self.mirror:
+            meta.seq_kv = [self._mirror_for(seq, seq.num_computed_tokens + n)
+                           for _, seq, n in batch]
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device), positions, meta,
                 sample_rows)
 

@@ -108,6 +108,25 @@ def test_exact_without_prefix_caching(tiny, arch, tp):
     assert llm.stats["second_batch_hits"] == 0
 
 
+@pytest.mark.parametrize("mirror", ["tight", "off"])
+def test_exact_with_the_cpu_kv_mirror_tight_or_off(tiny, mirror):
+    """The CPU torch backend keeps running sequences' K/V contiguous within a budget.
+    A budget of 2.5 minimal copies makes sequences take, grow, lose and rebuild theirs
+    (from the pages, after prefix hits and preemptions) while others gather; off, every
+    sequence gathers. Both must stay exact."""
+    import json
+
+    model = tiny("qwen3")
+    cfg = json.load(open(f"{model}/config.json"))
+    one = 2 * cfg["num_hidden_layers"] * 64 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    kw = (dict(cpu_kv_cache_gib=2.5 * one / 2**30) if mirror == "tight"
+          else dict(cpu_kv_mirror=False))
+    first, second, llm = run_engine(model, **STRESS, **kw)
+    assert_exact(model, first)
+    assert_exact(model, second)
+    assert llm.stats["preemptions"] > 0 and llm.stats["second_batch_hits"] > 0
+
+
 @pytest.mark.parametrize("preset,tp", [
     ("qwen3-odd-vocab", 2),  # vocab 1031: shards padded
     ("llama-1kv", 2),  # one KV head, two ranks: KV heads replicated

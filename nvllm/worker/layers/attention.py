@@ -19,8 +19,10 @@ class Attention(nn.Module):
         # Set by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.layer_idx = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.backend)
-        return ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.backend)
+        return ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.backend,
+                                   k, v, self.layer_idx)
