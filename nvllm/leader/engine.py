@@ -110,6 +110,9 @@ class LLMEngine:
         self._pending_drops: list[int] = []
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
+        # Since start: wall time of steps, and the part rank 0 spent computing them (the
+        # rest is the leader's own work plus transport: time the workers sat idle).
+        self.total_step_s = self.total_worker_s = 0.0
         self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
 
@@ -270,6 +273,8 @@ class LLMEngine:
         self._apply_result(sched, result, out)
         self.last_step = StepStats(plan.step_id, sched.num_batched_tokens, plan_bytes,
                                    result.worker_time_s, time.perf_counter() - t0)
+        self.total_step_s += self.last_step.step_time_s
+        self.total_worker_s += result.worker_time_s
         self._export_stats(prompt_tokens, len(result.token_ids))
         return out
 
