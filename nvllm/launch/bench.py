@@ -143,9 +143,13 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
             warm = [[wrng.randrange(llm.engine.vocab_size) for _ in range(min(32, input_len[1]))]
                     for _ in range(2)]
             llm.generate(warm, SamplingParams(**_greedy(4)), use_tqdm=False)
+        eng = llm.engine
+        eng.total_step_s = eng.total_worker_s = 0.0
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        # Share of step time rank 0 was not computing: leader work plus transport.
+        idle = 1.0 - eng.total_worker_s / eng.total_step_s if eng.total_step_s else 0.0
     ok = [o for o in outs if not o.error]
     n_in = sum(len(o.prompt_token_ids) for o in ok)
     n_out = sum(len(o.token_ids) for o in ok)
@@ -158,7 +162,7 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
            "prompt_tokens": n_in, "output_tokens": n_out,
            "requested_output_tokens": sum(wl.output_lens), "elapsed_s": elapsed,
            "requests_per_s": len(ok) / elapsed, "output_tok_s": n_out / elapsed,
-           "total_tok_s": (n_in + n_out) / elapsed}
+           "total_tok_s": (n_in + n_out) / elapsed, "worker_idle_share": idle}
     if as_json:
         click.echo(json.dumps(res))
     else:
@@ -169,6 +173,7 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
         click.echo(f"  output tok/s  {res['output_tok_s']:10.1f}")
         click.echo(f"  total tok/s   {res['total_tok_s']:10.1f}")
         click.echo(f"  elapsed s     {elapsed:10.2f}")
+        click.echo(f"  worker idle   {idle:10.2%}  (of step time, waiting for the leader)")
         for e in res["errors"]:
             click.echo(f"  error: {e}", err=True)
     if res["failures"]:

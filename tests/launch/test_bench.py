@@ -59,6 +59,7 @@ def test_throughput_json(tiny):
     assert res["max_model_len"] == 16 + 8
     assert res["elapsed_s"] > 0 and res["output_tok_s"] > 0
     assert res["total_tok_s"] > res["output_tok_s"] and res["requests_per_s"] > 0
+    assert 0.0 <= res["worker_idle_share"] < 1.0
 
 
 @pytest.fixture(scope="module")
