@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--output", type=int, nargs=2, default=(32, 256))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-generate-batch", action="store_true")
+    ap.add_argument("--nvllm-only", action="store_true",
+                    help="run nvllm alone (e.g. --num-seqs 256 to measure the workers' idle "
+                         "share with every sequence running)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -67,13 +70,22 @@ def main() -> None:
     # nvllm, tp=1.
     with LLM(str(model_dir), device="cpu", dtype="float32") as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        eng = llm.engine
+        eng.total_step_s = eng.total_worker_s = 0.0
         t0 = time.perf_counter()
         got = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
                             for o in outs], use_tqdm=False)
         dt = time.perf_counter() - t0
     assert sum(len(g.token_ids) for g in got) == n_out
-    res["nvllm"] = {"s": dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt}
+    res["nvllm"] = {"s": dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt,
+                    # share of step time the worker was not computing (waiting for plans)
+                    "worker_idle_share": 1 - eng.total_worker_s / eng.total_step_s}
+    if args.nvllm_only:
+        print(json.dumps(res, indent=2))
+        print(f"nvllm {res['nvllm']['output_tok_s']:.1f} output tok/s; workers idle "
+              f"{res['nvllm']['worker_idle_share']:.1%} of step time")
+        return
 
     # HF static generate: one left-padded batch, every row runs to the longest output.
     width = max(map(len, prompts))

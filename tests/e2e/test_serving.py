@@ -230,6 +230,7 @@ _BAD_UTF8 = (b"\x83" + _pack("op") + _pack("submit") + _pack("id") + _pack("u")
 def test_hostile_frames_get_an_error_and_the_engine_keeps_serving(served, frame, rid, code,
                                                                  caplog):
     caplog.set_level("INFO", logger="nvllm.leader.server")
+    served.server._log_window = [0.0, 0]  # these tests run faster than the log rate limit
     with Client(served.endpoint, timeout_s=60) as c:
         c._sock.send(frame)
         err = c._recv(time.monotonic() + 30)
@@ -398,3 +399,19 @@ def test_shutdown_drains_or_aborts(tiny, grace_s, expected):
         thread.join(30)
         server.close()
         llm.shutdown()
+
+
+def test_a_flood_of_bad_frames_is_logged_at_a_bounded_rate(served, caplog):
+    caplog.set_level("INFO", logger="nvllm.leader.server")
+    served.server._log_window = [0.0, 0]
+    with Client(served.endpoint, timeout_s=60) as c:
+        for _ in range(25):
+            c._sock.send(b"\xc1")
+        for _ in range(25):
+            assert c._recv(time.monotonic() + 30)["code"] == "bad_frame"
+        time.sleep(1.1)
+        c._sock.send(b"\xc1")
+        assert c._recv(time.monotonic() + 30)["code"] == "bad_frame"
+    lines = [r.getMessage() for r in caplog.records if r.name == "nvllm.leader.server"]
+    assert sum(": bad_frame: " in m for m in lines) == 11  # 10 of the burst, then the next
+    assert any("and 15 more error replies" in m for m in lines)
