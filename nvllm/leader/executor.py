@@ -56,6 +56,7 @@ class HeartbeatMonitor:
         self._monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
                           for s in per_rank]
         self._stop = threading.Event()
+        self._last_loop = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeats")
         self._thread.start()
 
@@ -68,6 +69,13 @@ class HeartbeatMonitor:
             poller.register(s, zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(POLL_MS))
+            now = time.monotonic()
+            if now - self._last_loop > self.timeout_s / 2:
+                # This thread did not run (the leader was stopped or starved): the silence
+                # is ours, so every rank gets a fresh timeout instead of a verdict.
+                for rank in self.last_seen:
+                    self.last_seen[rank] = now
+            self._last_loop = now
             for rank, mon in enumerate(self._monitors):
                 if mon in ready:
                     event = recv_monitor_message(mon)["event"]
@@ -98,6 +106,8 @@ class HeartbeatMonitor:
     def silent(self) -> dict[int, str]:
         """rank -> why it counts as dead, for every rank that does."""
         now, dead = time.monotonic(), {}
+        if now - self._last_loop > self.timeout_s / 2:
+            return dead  # our own thread has not run lately: no verdict on anyone yet
         for rank, seen in list(self.last_seen.items()):
             if now - seen > self.timeout_s:
                 dead[rank] = (f"worker rank {rank} ({self.where.get(rank, '?')}) sent no "

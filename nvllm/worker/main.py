@@ -69,9 +69,14 @@ def heartbeat_loop(ctx: zmq.Context, endpoint: str, rank: int, timeout_s: float,
             if sock.poll(int(left * 1000) + 1):
                 sock.recv()
                 last_answer = time.monotonic()
-        if time.monotonic() - last_answer > timeout_s and not stop.is_set():
+        now = time.monotonic()
+        if now - deadline > timeout_s / 2:
+            # We overslept: this process was not running (SIGSTOP, Ctrl-Z together with
+            # the leader, a frozen VM). The silence is ours; give the leader a fresh timeout.
+            last_answer = now
+        if now - last_answer > timeout_s and not stop.is_set():
             logger.error("rank %d: the leader has not answered heartbeats for %.1f s; "
-                         "exiting", rank, time.monotonic() - last_answer)
+                         "exiting", rank, now - last_answer)
             os._exit(3)
     sock.close(0)
 

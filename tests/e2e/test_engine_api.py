@@ -192,6 +192,41 @@ def test_a_stopped_worker_is_found_by_its_missing_heartbeats(tiny, procs):
     assert not any(procs.pid_alive(p) for p in pids)
 
 
+def test_a_suspended_engine_resumes(tiny, procs):
+    """Ctrl-Z then fg stops the leader and its workers together: on resume neither side
+    may take its own pause for the other's death."""
+    code = textwrap.dedent(f"""
+        import sys
+        from nvllm import LLM, SamplingParams
+        llm = LLM({tiny("qwen3")!r}, device="cpu", tensor_parallel_size=2,
+                  heartbeat_timeout_s=2.0)
+        print("ready", *llm.worker_pids, flush=True)
+        sys.stdin.readline()
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        print("tokens", len(out[0].token_ids), flush=True)
+        llm.shutdown()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        first = proc.stdout.readline().split()
+        assert first[0] == "ready", proc.stderr.read() if proc.poll() is not None else first
+        os.killpg(proc.pid, signal.SIGSTOP)
+        time.sleep(5)  # 2.5x the heartbeat timeout
+        os.killpg(proc.pid, signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=60)
+        assert "tokens 4" in out, err[-2000:]
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not any(procs.pid_alive(int(p)) for p in first[1:])
+
+
 def test_a_stuck_step_trips_the_watchdog(tiny):
     """Heartbeats flow but no result comes (a hung collective, a deadlock): the step
     timeout turns it into an error instead of a hang."""
