@@ -5,11 +5,12 @@
 # Budget: < 8 minutes.
 #
 # The GPU image has torch, triton, transformers, msgpack, click, xxhash, pytest but no
-# pyzmq: carry it as a wheel in .whl/ (git-ignored), prepared on the CPU machine with
+# pyzmq and no prometheus_client (the leader's metrics import it): carry both as wheels
+# in .whl/ (git-ignored), prepared on the CPU machine with
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl pyzmq
+#     --platform manylinux2014_x86_64 -d .whl pyzmq prometheus_client
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nvllm-device}
