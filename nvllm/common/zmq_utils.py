@@ -71,6 +71,13 @@ def is_loopback(host: str) -> bool:
     return addr.is_loopback
 
 
+def check_curve_bind(host: str, curve_key_dir: str | os.PathLike | None, what: str) -> None:
+    """Refuse to bind `what` beyond loopback without CURVE keys (ValueError naming the fix)."""
+    if curve_key_dir is None and not is_loopback(host):
+        raise ValueError(f"binding {what} to {host} needs authentication: pass --curve-key-dir "
+                         "DIR (create one with `nvllm-keys DIR`)")
+
+
 # ---- CURVE -------------------------------------------------------------------------------
 
 

@@ -34,24 +34,19 @@ def resolve_model(model: str) -> str:
 
 
 def _check_access(host: str, http_host: str | None, api_key: str | None,
-                  curve_key_dir: str | None, master_addr: str | None) -> None:
+                  curve_key_dir: str | None, dist) -> None:
     """Refuse an unauthenticated non-loopback bind before anything is loaded."""
-    from nvllm.common.zmq_utils import is_loopback
+    from nvllm.common.zmq_utils import check_curve_bind
     from nvllm.launch.http_gateway import check_http_host
+    from nvllm.launch.spawn import check_worker_bind
 
-    if not is_loopback(host) and not curve_key_dir:
-        raise click.UsageError(f"--host {host} is beyond loopback and needs authentication: "
-                               "pass --curve-key-dir DIR (create one with `nvllm-keys DIR`)")
-    if master_addr is not None and not is_loopback(master_addr) and not curve_key_dir:
-        raise click.UsageError(
-            f"the worker sockets bind --master-addr {master_addr}, beyond loopback, which "
-            "needs authentication: pass --curve-key-dir DIR on every node (create one with "
-            "`nvllm-keys DIR` on shared storage)")
-    if http_host is not None:
-        try:
+    try:
+        check_curve_bind(host, curve_key_dir, "the client endpoint (--host)")
+        check_worker_bind(dist)
+        if http_host is not None:
             check_http_host(http_host, api_key)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -160,7 +155,7 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
     if model is None:
         raise click.UsageError("--model is required (on node rank 0)")
     _check_access(host, http_host if http_port is not None else None, api_key, curve_key_dir,
-                  master_addr if dist.uses_store else None)
+                  dist)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams

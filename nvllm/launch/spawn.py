@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from nvllm.common.config import DistConfig, EngineConfig
-from nvllm.common.zmq_utils import is_loopback
+from nvllm.common.zmq_utils import check_curve_bind
 from nvllm.leader.executor import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
@@ -143,23 +143,30 @@ class WorkerGroup:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+def check_worker_bind(dist: DistConfig) -> str:
+    """Where the worker sockets bind (returned); beyond loopback that needs CURVE keys
+    (on every node)."""
+    host = _bind_host(dist)
+    check_curve_bind(host, dist.curve_key_dir,
+                     f"the worker sockets (--master-addr {dist.master_addr})")
+    return host
+
+
 def _bind_host(dist: DistConfig) -> str:
     """Loopback on one host; across nodes, the master address (workers connect to it)."""
     if not dist.uses_store:
         return "127.0.0.1"
-    return socket.gethostbyname(dist.master_addr)
+    try:
+        return socket.gethostbyname(dist.master_addr)
+    except OSError as e:
+        raise ValueError(f"cannot resolve --master-addr {dist.master_addr}: {e}") from None
 
 
 def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> WorkerGroup:
     """Bind the leader's sockets, publish the group spec, start this node's workers."""
     dist = (dist or DistConfig()).validate(config.tensor_parallel_size)
     tp = config.tensor_parallel_size
-    bind_host = _bind_host(dist)
-    if not is_loopback(bind_host) and not dist.curve_key_dir:
-        raise ValueError(
-            f"the worker endpoints would bind to {bind_host} (--master-addr "
-            f"{dist.master_addr}), beyond loopback, which needs authentication: pass "
-            "--curve-key-dir DIR on every node (create one with `nvllm-keys DIR`)")
+    bind_host = check_worker_bind(dist)
     client = WorkerGroupClient(tp, bind_host, config.heartbeat_timeout_s, dist.curve_key_dir)
     tmpdir = store = None
     try:

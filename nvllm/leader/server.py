@@ -24,7 +24,7 @@ import zmq
 
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.common.zmq_utils import curve_server, is_loopback, make_socket
+from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
 from nvllm.leader.engine import CompletionDelta, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ class EngineServer:
                  model_name: str | None = None, *,
                  curve_key_dir: str | os.PathLike | None = None,
                  max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
-        if curve_key_dir is None and not is_loopback(host):
-            raise ValueError(f"binding the client endpoint to {host} needs authentication: "
-                             "pass --curve-key-dir DIR (create one with `nvllm-keys DIR`)")
+        check_curve_bind(host, curve_key_dir, "the client endpoint")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < MIN_FRAME_BYTES:
             # The limit also applies to handshake commands (CURVE's is ~300 bytes): below
             # this floor no client could even connect.
