@@ -70,8 +70,7 @@ def main() -> None:
     # nvllm, tp=1.
     with LLM(str(model_dir), device="cpu", dtype="float32") as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        eng = llm.engine
-        eng.total_step_s = eng.total_worker_s = 0.0
+        llm.engine.reset_step_totals()
         t0 = time.perf_counter()
         got = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
@@ -79,8 +78,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
     assert sum(len(g.token_ids) for g in got) == n_out
     res["nvllm"] = {"s": dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt,
-                    # share of step time the worker was not computing (waiting for plans)
-                    "worker_idle_share": 1 - eng.total_worker_s / eng.total_step_s}
+                    "worker_idle_share": llm.engine.worker_idle_share}
     if args.nvllm_only:
         print(json.dumps(res, indent=2))
         print(f"nvllm {res['nvllm']['output_tok_s']:.1f} output tok/s; workers idle "

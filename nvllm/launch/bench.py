@@ -143,13 +143,11 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
             warm = [[wrng.randrange(llm.engine.vocab_size) for _ in range(min(32, input_len[1]))]
                     for _ in range(2)]
             llm.generate(warm, SamplingParams(**_greedy(4)), use_tqdm=False)
-        eng = llm.engine
-        eng.total_step_s = eng.total_worker_s = 0.0
+        llm.engine.reset_step_totals()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-        # Share of step time rank 0 was not computing: leader work plus transport.
-        idle = 1.0 - eng.total_worker_s / eng.total_step_s if eng.total_step_s else 0.0
+        idle = llm.engine.worker_idle_share
     ok = [o for o in outs if not o.error]
     n_in = sum(len(o.prompt_token_ids) for o in ok)
     n_out = sum(len(o.token_ids) for o in ok)

@@ -110,9 +110,8 @@ class LLMEngine:
         self._pending_drops: list[int] = []
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
-        # Since start: wall time of steps, and the part rank 0 spent computing them (the
-        # rest is the leader's own work plus transport: time the workers sat idle).
-        self.total_step_s = self.total_worker_s = 0.0
+        # Wall time of steps, and the part rank 0 spent computing them (worker_idle_share).
+        self.reset_step_totals()
         self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
 
@@ -277,6 +276,15 @@ class LLMEngine:
         self.total_worker_s += result.worker_time_s
         self._export_stats(prompt_tokens, len(result.token_ids))
         return out
+
+    def reset_step_totals(self) -> None:
+        self.total_step_s = self.total_worker_s = 0.0
+
+    @property
+    def worker_idle_share(self) -> float:
+        """Share of step time since the last reset that rank 0 was not computing: the
+        leader's own work plus transport, i.e. the workers waiting for the next plan."""
+        return 1.0 - self.total_worker_s / self.total_step_s if self.total_step_s else 0.0
 
     def _expire(self) -> EngineOutput:
         """End requests whose TTL ran out; a heap keeps this off the per-step hot path."""

@@ -145,9 +145,10 @@ class ModelRunner:
         num_blocks, vocab, bs = self.kv_cache.shape[2], self.config.model_info.vocab_size, \
             self.block_size
         dropped = set(plan.finished_ids)
-        held = {sid: (len(s.token_ids), len(s.block_table), s.num_computed_tokens)
-                for sid, s in self.seqs.items() if sid not in dropped}
         seen: set[int] = set()
+
+        def held(sid: int) -> WorkerSeq | None:
+            return None if sid in dropped else self.seqs.get(sid)
 
         def check(sid, tokens, blocks, num_tokens, num_blocks_held, computed, n) -> None:
             if sid in seen:
@@ -165,7 +166,7 @@ class ModelRunner:
                                   f"with {num_blocks_held} block(s) of {bs}")
 
         for ns in plan.new_seqs:
-            if ns.seq_id in held:
+            if held(ns.seq_id) is not None:
                 raise InvalidPlan(f"new sequence {ns.seq_id} is already held")
             if not 0 < ns.num_prompt_tokens <= len(ns.token_ids):
                 raise InvalidPlan(f"sequence {ns.seq_id}: {ns.num_prompt_tokens} prompt tokens "
@@ -173,12 +174,13 @@ class ModelRunner:
             check(ns.seq_id, ns.token_ids, ns.block_table, len(ns.token_ids),
                   len(ns.block_table), ns.num_computed_tokens, ns.num_new_tokens)
         for rs in plan.running:
-            if rs.seq_id not in held:
+            seq = held(rs.seq_id)
+            if seq is None:
                 raise InvalidPlan(f"running sequence {rs.seq_id} is not held by this worker")
-            num_tokens, num_blocks_held, computed = held[rs.seq_id]
             check(rs.seq_id, rs.new_token_ids, rs.new_block_ids,
-                  num_tokens + len(rs.new_token_ids), num_blocks_held + len(rs.new_block_ids),
-                  computed, rs.num_new_tokens)
+                  len(seq.token_ids) + len(rs.new_token_ids),
+                  len(seq.block_table) + len(rs.new_block_ids), seq.num_computed_tokens,
+                  rs.num_new_tokens)
 
     def _apply_plan(self, plan: protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
         for sid in plan.finished_ids:
