@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from subproc import free_port, stop_process
+from subproc import free_port, stop_process, wait_healthy
 
 from nvllm import LLM, SamplingParams
 from nvllm.common.client import AsyncClient, Client
@@ -175,16 +175,7 @@ def test_gateway_attaches_with_keys(secured, keys, procs):
                                     stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert gateway.poll() is None, f"the gateway exited with {gateway.returncode}"
-            try:
-                if httpx.get(f"{base}/health", timeout=3).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway never became healthy"
-            time.sleep(0.2)
+        wait_healthy(base, gateway, 60)
         r = httpx.post(f"{base}/v1/completions", timeout=30, json={
             "model": "tiny", "prompt": PROMPTS[0], **GREEDY})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == secured.ref[0][1]

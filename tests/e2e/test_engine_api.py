@@ -159,37 +159,33 @@ def test_workers_die_with_their_parent(tiny, procs):
     assert not any(procs.pid_alive(p) for p in pids), "workers outlived their parent"
 
 
-def test_worker_death_is_an_error_not_a_hang(tiny, procs):
-    llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2)
+def _death_is_reported(llm, sig: int, match: str, max_tokens: int, within_s: float, procs):
+    """Signal worker rank 1 and generate: an EngineDeadError matching `match` within
+    `within_s`, no KV block left held, and no worker left after shutdown."""
     pids = llm.worker_pids
     try:
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[1], sig)
         t0 = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 1"):
-            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=64, ignore_eos=True),
+        with pytest.raises(EngineDeadError, match=match):
+            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                          use_tqdm=False)
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < within_s
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     finally:
-        llm.shutdown()
+        llm.shutdown()  # SIGKILL also reaches a stopped process
     assert not any(procs.pid_alive(p) for p in pids)
+
+
+def test_worker_death_is_an_error_not_a_hang(tiny, procs):
+    llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2)
+    _death_is_reported(llm, signal.SIGKILL, "rank 1", 64, 30, procs)
 
 
 def test_a_stopped_worker_is_found_by_its_missing_heartbeats(tiny, procs):
     """SIGSTOP: the process lives and keeps its sockets, but answers nothing; the leader
     must call it dead within heartbeat_timeout_s, not wait for the step watchdog."""
     llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=2, heartbeat_timeout_s=2.0)
-    pids = llm.worker_pids
-    try:
-        os.kill(pids[1], signal.SIGSTOP)
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 1 .* sent no heartbeat"):
-            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=512, ignore_eos=True),
-                         use_tqdm=False)
-        assert time.monotonic() - t0 < 5
-    finally:
-        llm.shutdown()  # SIGKILL reaches a stopped process
-    assert not any(procs.pid_alive(p) for p in pids)
+    _death_is_reported(llm, signal.SIGSTOP, "rank 1 .* sent no heartbeat", 512, 5, procs)
 
 
 def test_a_suspended_engine_resumes(tiny, procs):

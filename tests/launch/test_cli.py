@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from subproc import wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -85,15 +86,7 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
 
         # The OpenAI gateway started beside the engine answers over HTTP.
         base = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "gateway never became healthy"
-            time.sleep(0.2)
+        wait_healthy(base, proc, 60)
         assert procs.cmdline(gateway_pid).startswith("nvllm-http")
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny"
         r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hello",

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from subproc import free_port, read_until, stop_process
+from subproc import free_port, read_until, stop_process, wait_healthy
 
 openai = pytest.importorskip("openai")
 
@@ -41,19 +41,6 @@ def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str, list
     endpoint = re.search(r"serving on (tcp://\S+);", out).group(1)
     pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", out).group(1).split(",")]
     return proc, endpoint, pids
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{base}/health", timeout=3).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{base}/health never answered 200 in {timeout_s:.0f} s")
 
 
 @pytest.fixture(scope="module")

@@ -47,3 +47,20 @@ def stop_process(proc: subprocess.Popen, sig: int) -> None:
             proc.wait(timeout=10)
     if proc.stdout:
         proc.stdout.close()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll base/health until it answers 200, failing if `proc` (the gateway, or the
+    launcher that owns it) exits first or the time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{base}/health", timeout=3).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{base}/health never answered 200 in {timeout_s:.0f} s")
