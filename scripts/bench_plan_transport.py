@@ -67,7 +67,7 @@ def plan_lists(payload: str, step: int, state: list[dict]) -> protocol.StepPlan:
                                list(s["table"]), s["sampling"]) for s in state]
         return protocol.StepPlan(step, new, [], [])
     blocks = "table" if payload == "decode+tables" else "new_block"
-    run = [protocol.RunningSeq(s["seq_id"], 1, s["tokens"][-1:], list(s[blocks]))
+    run = [protocol.RunningSeq(s["seq_id"], 1, list(s[blocks]))
            for s in state]
     return protocol.StepPlan(step, [], run, [])
 
@@ -104,10 +104,10 @@ def plan_refs(payload: str, step: int, state: list[dict], w: ArrayWriter,
                for s in state]
         return protocol.StepPlan(step, new, [], []), refs, gen
     blocks = "table" if payload == "decode+tables" else "new_block"
-    lists = [[s["tokens"][-1:] for s in state], [s[blocks] for s in state]]
+    lists = [[s[blocks] for s in state]]
     if records:
         refs, gen = _csr(w, lists, [])
-        run = [protocol.RunningSeq(s["seq_id"], 1, [], []) for s in state]
+        run = [protocol.RunningSeq(s["seq_id"], 1, []) for s in state]
         return protocol.StepPlan(step, [], run, []), refs, gen
     refs, gen = _csr(w, lists, [[s["seq_id"] for s in state], [1] * len(state)])
     return protocol.StepPlan(step, [], [], []), refs, gen

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--output", type=int, nargs=2, default=(32, 256))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-generate-batch", action="store_true")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="nvllm applies each step's result before sending the next plan")
     ap.add_argument("--nvllm-only", action="store_true",
                     help="run nvllm alone (e.g. --num-seqs 256 to measure the workers' idle "
                          "share with every sequence running)")
@@ -68,7 +70,8 @@ def main() -> None:
     res["params"] = params
 
     # nvllm, tp=1.
-    with LLM(str(model_dir), device="cpu", dtype="float32") as llm:
+    with LLM(str(model_dir), device="cpu", dtype="float32",
+             async_scheduling=not args.no_async_scheduling) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         llm.engine.reset_step_totals()
         t0 = time.perf_counter()

@@ -99,6 +99,13 @@ class EngineConfig:
     # CPU, torch backend: keep each running sequence's K/V also contiguous (within the
     # cpu_kv_cache_gib budget again), so attention stops re-gathering paged blocks.
     cpu_kv_mirror: bool = True
+    # Send plan N+1 before applying plan N's result, so the leader's work overlaps the
+    # workers' (outputs are identical either way).
+    async_scheduling: bool = True
+    # Tensor parallel: split a step of at least micro_batch_min_tokens tokens into two
+    # micro-batches, so one's all-reduce runs while the other computes.
+    micro_batch_overlap: bool = True
+    micro_batch_min_tokens: int = 256
     seed: int = 0
     max_queued_requests: int | None = None  # beyond it, submissions are refused at once
     batch_timeout_ms: float = 0.0  # idle engine: wait this long for more arrivals

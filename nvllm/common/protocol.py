@@ -55,13 +55,14 @@ class NewSeq:
 
 @dataclass(slots=True)
 class RunningSeq:
-    """Delta for a sequence the workers already hold."""
+    """Delta for a sequence the workers already hold. No token ids: every rank appends
+    the tokens the group samples itself (rank 0 broadcasts them), so a plan can be sent
+    before the leader has seen the previous step's tokens (async scheduling)."""
 
     seq_id: int
     num_new_tokens: int
-    new_token_ids: list[int]  # tokens the workers have not seen (the last sampled one)
     new_block_ids: list[int]  # blocks appended to the block table since the last plan
-    SPEC: ClassVar[tuple] = ("int", "int", "ints", "ints")
+    SPEC: ClassVar[tuple] = ("int", "int", "ints")
 
 
 @dataclass(slots=True)

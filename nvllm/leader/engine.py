@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -72,6 +73,17 @@ class StepStats:
     step_time_s: float = 0.0
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A plan sent whose result has not been applied yet."""
+
+    step_id: int
+    sched: SchedulerOutput
+    due: set[int]  # sequences that sample a token in this plan
+    prompt_tokens: int
+    plan_bytes: int
+
+
 def to_worker_sampling(p: SamplingParams) -> protocol.WorkerSampling:
     return protocol.WorkerSampling(
         temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k,
@@ -108,6 +120,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._step_ids = itertools.count(1)
         self._pending_drops: list[int] = []
+        self._inflight: collections.deque[InFlight] = collections.deque()  # sent, no result
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
         # Wall time of steps, and the part rank 0 spent computing them (worker_idle_share).
@@ -240,19 +253,49 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests to run, or a plan still in flight whose result must be taken."""
+        return self.scheduler.num_unfinished > 0 or bool(self._inflight)
 
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> EngineOutput:
-        """Run one engine step: expire timed-out requests, schedule, compute, apply."""
+        """Run one engine step: expire timed-out requests, schedule and send a plan, and
+        apply a result.
+
+        Synchronous, the result is the plan's own. With async scheduling the newest plan
+        stays in flight: this call sends plan N+1 (sequences whose token from plan N is
+        still out are scheduled with a placeholder the workers fill in), then applies
+        plan N's result, so that detokenizing, streaming, admitting and scheduling all
+        happen while the workers compute.
+        """
         t0 = time.perf_counter()
         out = self._expire()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self.scheduler.num_unfinished and not out.deltas:
-                raise RuntimeError("scheduler made no progress with requests pending")
-            return out
+        # Preempted sequences leave the workers with the next plan, whichever it is.
+        self._pending_drops.extend(s.seq_id for s in sched.preempted)
+        try:
+            if not sched.is_empty:
+                self._dispatch(sched)
+            elif not self._inflight:
+                if self.scheduler.num_unfinished and not out.deltas and not sched.preempted:
+                    raise RuntimeError("scheduler made no progress with requests pending")
+                return out
+            keep = 1 if self.config.async_scheduling and not sched.is_empty else 0
+            while len(self._inflight) > keep:
+                self._complete(self._inflight.popleft(), out)
+        except EngineDeadError as e:
+            if self._recover(str(e)):
+                return out
+            self._fail_all()
+            raise
+        step_time = time.perf_counter() - t0
+        self.last_step.step_time_s = step_time
+        self.total_step_s += step_time
+        return out
+
+    def _dispatch(self, sched: SchedulerOutput) -> None:
+        """Send the plan for `sched` and account for it as sent: computed counts advance,
+        sampling sequences get a pending token, computed blocks enter the prefix cache."""
         now = time.monotonic()
         for seq, _ in sched.scheduled:
             if not seq.on_worker and seq.num_preemptions == 0 and seq.index == 0:
@@ -261,21 +304,23 @@ class LLMEngine:
         prompt_tokens = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
                                 - seq.num_computed_tokens) for seq, n in sched.scheduled)
         plan = self._build_plan(sched)
-        try:
-            plan_bytes = self.workers.broadcast(plan)
-            result = self._wait_result(plan.step_id, sched)
-        except EngineDeadError as e:
-            if self._recover(str(e)):
-                return out
-            self._fail_all()
-            raise
-        self._apply_result(sched, result, out)
-        self.last_step = StepStats(plan.step_id, sched.num_batched_tokens, plan_bytes,
-                                   result.worker_time_s, time.perf_counter() - t0)
-        self.total_step_s += self.last_step.step_time_s
+        due: set[int] = set()
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+                seq.num_pending += 1
+                due.add(seq.seq_id)
+            self.kv.cache_computed_blocks(seq)
+        plan_bytes = self.workers.broadcast(plan)
+        self._inflight.append(InFlight(plan.step_id, sched, due, prompt_tokens, plan_bytes))
+
+    def _complete(self, step: InFlight, out: EngineOutput) -> None:
+        result = self._wait_result(step)
+        num_applied = self._apply_result(step.sched, result, out)
+        self.last_step = StepStats(step.step_id, step.sched.num_batched_tokens,
+                                   step.plan_bytes, result.worker_time_s)
         self.total_worker_s += result.worker_time_s
-        self._export_stats(prompt_tokens, len(result.token_ids))
-        return out
+        self._export_stats(step.prompt_tokens, num_applied)
 
     def reset_step_totals(self) -> None:
         self.total_step_s = self.total_worker_s = 0.0
@@ -315,7 +360,6 @@ class LLMEngine:
     def _build_plan(self, sched: SchedulerOutput) -> protocol.StepPlan:
         drops = self._pending_drops
         self._pending_drops = []
-        drops.extend(s.seq_id for s in sched.preempted)
         new_seqs, running = [], []
         for seq, n in sched.scheduled:
             if not seq.on_worker:
@@ -327,29 +371,26 @@ class LLMEngine:
                 if seq.index == 0 and seq.num_preemptions == 0:
                     self.requests[seq.request_id].num_cached_tokens = seq.num_computed_tokens
             else:
-                running.append(protocol.RunningSeq(
-                    seq.seq_id, n, seq.token_ids[seq.num_sent_tokens:],
-                    seq.block_table[seq.num_sent_blocks:]))
-            seq.num_sent_tokens = seq.num_tokens
+                running.append(protocol.RunningSeq(seq.seq_id, n,
+                                                   seq.block_table[seq.num_sent_blocks:]))
             seq.num_sent_blocks = len(seq.block_table)
         return protocol.StepPlan(next(self._step_ids), new_seqs, running, drops)
 
-    def _wait_result(self, step_id: int, sched: SchedulerOutput) -> protocol.StepResult:
+    def _wait_result(self, step: InFlight) -> protocol.StepResult:
         while True:
             msg = self.workers.recv(self.config.step_timeout_s)
-            if isinstance(msg, protocol.StepResult) and msg.step_id == step_id:
-                problem = self._check_result(msg, sched)
+            if isinstance(msg, protocol.StepResult) and msg.step_id == step.step_id:
+                problem = self._check_result(msg, step.due)
                 if problem is None:
                     return msg
-                logger.error("dropping a result for step %d: %s", step_id, problem)
+                logger.error("dropping a result for step %d: %s", step.step_id, problem)
                 continue
-            logger.warning("ignoring %s while waiting for step %d", type(msg).__name__, step_id)
+            logger.warning("ignoring %s while waiting for step %d", type(msg).__name__,
+                           step.step_id)
 
-    def _check_result(self, r: protocol.StepResult, sched: SchedulerOutput) -> str | None:
+    def _check_result(self, r: protocol.StepResult, due: set[int]) -> str | None:
         """A result must sample exactly the sequences that finished their tokens this step,
         with token ids in the vocabulary; anything else is not our workers' answer."""
-        due = {seq.seq_id for seq, n in sched.scheduled
-               if seq.num_computed_tokens + n == seq.num_tokens}
         if len(r.seq_ids) != len(r.token_ids) or set(r.seq_ids) != due \
                 or len(r.seq_ids) != len(due):
             return "it does not sample the sequences the plan asked for"
@@ -386,6 +427,11 @@ class LLMEngine:
             except Exception as e:  # a failed restart counts; the next one may work
                 error = f"restart failed: {e}"
                 continue
+            # Tokens of plans in flight died with the workers: recompute without them.
+            self._inflight.clear()
+            for req in self.requests.values():
+                for seq in req.seqs:
+                    seq.num_pending = 0
             self.scheduler.requeue_all()
             self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds
             self._pending_drops.clear()
@@ -396,19 +442,24 @@ class LLMEngine:
         return False
 
     def _apply_result(self, sched: SchedulerOutput, result: protocol.StepResult,
-                      out: EngineOutput) -> None:
+                      out: EngineOutput) -> int:
+        """Append the sampled tokens, stream them, finish what stopped; returns how many
+        tokens were kept."""
+        num_applied = 0
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
         now = time.monotonic()
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq)
+        for seq, _ in sched.scheduled:
             token = sampled.get(seq.seq_id)
-            if token is None:
-                assert seq.num_computed_tokens < seq.num_tokens, "worker skipped a sample"
+            # A sequence that finished (a stop token in the previous result, an abort, a
+            # timeout) while this plan was in flight: its extra token is dropped unseen.
+            if token is None or seq.is_finished:
                 continue
             req = self.requests[seq.request_id]
             seq.token_ids.append(token)
+            seq.num_pending -= 1
+            num_applied += 1
+            self.kv.cache_computed_blocks(seq)
             lp_entry = None
             if logprobs.get(seq.seq_id) is not None:
                 lp, top = logprobs[seq.seq_id]
@@ -439,6 +490,7 @@ class LLMEngine:
             out.deltas.append(self._final_delta(req, seq, [token], lps, text))
             if req.finished:
                 out.finished.append(self._finish_request(req))
+        return num_applied
 
     def _final_delta(self, req: Request, seq: Sequence, token_ids: list[int],
                      lps: list | None, text: str = "") -> CompletionDelta:

@@ -3,8 +3,10 @@
 The scheduler asks three things of it: what prefix of a sequence is already cached
 (``get_computed_blocks``), room for the next tokens (``allocate_slots``), and to give a
 sequence's blocks back (``free``). After each step the engine calls
-``cache_computed_blocks`` so that blocks enter the prefix cache only once their KV has
-really been computed by the workers.
+``cache_computed_blocks`` as it sends a plan: a block enters the prefix cache once the
+plan that computes it is on its way, which is safe because workers execute plans in
+order, so any later plan that reads the block runs after it was written (and a failed
+worker group takes the whole prefix cache with it).
 """
 
 from __future__ import annotations
@@ -116,7 +118,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # Only blocks whose token ids are all known: a token still in flight (async
+        # scheduling) may already be computed by a plan but cannot be hashed yet.
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs,
+                       len(seq.block_table))
         # chain_entries can stop short of num_cached_blocks' goal after a collision:
         # past a block whose hash belongs to different content, nothing is cached.
         while seq.num_cached_blocks < num_full and len(seq.chain_entries) == seq.num_cached_blocks:

@@ -66,7 +66,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self._computable(seq) - seq.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -97,6 +97,8 @@ class Scheduler:
         # 2. Waiting sequences, by priority then arrival (a preempted one keeps its place).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token in flight: resume once it lands
+                break
             hits = self.kv.get_computed_blocks(seq)
             num_cached = len(hits) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
@@ -110,6 +112,13 @@ class Scheduler:
             budget -= n
         return out
 
+    def _computable(self, seq: Sequence) -> int:
+        """How many of the sequence's tokens (placeholders for tokens in flight included)
+        may ever be computed: its last token is sampled but never fed back, so a sequence
+        whose final token is in flight gets no more work."""
+        last = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        return min(seq.num_tokens + seq.num_pending, last - 1)
+
     def _pick_victim(self) -> Sequence:
         """Lowest priority (largest number) first; among equals the latest admitted."""
         return max(enumerate(self.running), key=lambda e: (e[1].priority, e[0]))[1]
@@ -118,7 +127,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.on_worker = False
-        seq.num_sent_tokens = seq.num_sent_blocks = 0
+        seq.num_sent_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_waiting_key)

@@ -36,10 +36,13 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     chain_entries: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
-    # What the workers hold for this sequence (plans carry only the difference).
+    # What the workers hold for this sequence (plans carry only the difference). Workers
+    # append the tokens they sample themselves, so only block ids travel as deltas.
     on_worker: bool = False
-    num_sent_tokens: int = 0
     num_sent_blocks: int = 0
+    # Tokens sampled by plans in flight whose ids the leader has not received yet (async
+    # scheduling): the next plan already computes them, the workers hold their ids.
+    num_pending: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     logprobs: list | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
@@ -103,6 +104,54 @@ class PlanConnectionWatch:
                 f"frame over the {self.max_bytes}-byte limit, or the network)")
 
 
+class PlanReader:
+    """Receives and decodes plans on its own thread, so plan N+1 is read off the socket
+    and checked for types while step N computes (torch releases the GIL in its kernels).
+
+    The main loop takes decoded messages with ``get``; a lost connection surfaces there
+    as the exception the watch raised. The thread owns the plan socket and its monitor.
+    """
+
+    def __init__(self, sock: zmq.Socket, watch: PlanConnectionWatch, rank: int,
+                 max_bytes: int) -> None:
+        self.sock, self.watch, self.rank, self.max_bytes = sock, watch, rank, max_bytes
+        self.inbox: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="plan-reader")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                # Poll, never block: the heartbeat thread ends the process if the leader
+                # dies, and stop() must be seen.
+                if not self.sock.poll(RECV_POLL_MS):
+                    self.watch.check()
+                    continue
+                data = self.sock.recv()
+            except Exception as e:  # the connection watch's verdict, or a closed socket
+                self.inbox.put(e)
+                return
+            try:
+                msg = protocol.decode(data, self.max_bytes)
+            except ProtocolError as e:
+                logger.error("rank %d: dropping malformed plan frame: %s", self.rank, e)
+                continue
+            self.inbox.put(msg)
+            if isinstance(msg, protocol.Shutdown):
+                return
+
+    def get(self):
+        msg = self.inbox.get()
+        if isinstance(msg, Exception):
+            raise msg
+        return msg
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2 * RECV_POLL_MS / 1000)
+
+
 def init_distributed(spec: dict, backend: str, timeout_s: float) -> None:
     """Join the torch.distributed group: a FileStore on one host, a TCPStore across nodes."""
     rank, world = spec["rank"], spec["world_size"]
@@ -150,6 +199,7 @@ def run_worker(spec: dict) -> None:
                                 config.heartbeat_timeout_s, secure, stop_heartbeats))
     hb.start()
     step_id = 0
+    reader = None
     try:
         if world > 1:
             init_distributed(spec, backend, config.step_timeout_s)
@@ -159,17 +209,9 @@ def run_worker(spec: dict) -> None:
         runner = ModelRunner(config, tp, device)
         result_sock.send(protocol.encode(protocol.WorkerReady(
             rank, "loaded", runner.available_kv_blocks(), {"block_bytes": runner.block_bytes()})))
+        reader = PlanReader(plan_sock, watch, rank, max_plan_bytes)
         while True:
-            # Poll, never block: the heartbeat thread ends the process if the leader dies.
-            if not plan_sock.poll(RECV_POLL_MS):
-                watch.check()
-                continue
-            data = plan_sock.recv()
-            try:
-                msg = protocol.decode(data, max_plan_bytes)
-            except ProtocolError as e:
-                logger.error("rank %d: dropping malformed plan frame: %s", rank, e)
-                continue
+            msg = reader.get()
             if isinstance(msg, protocol.Shutdown):
                 break
             if isinstance(msg, protocol.InitKVCache):
@@ -196,6 +238,8 @@ def run_worker(spec: dict) -> None:
         time.sleep(0.2)  # let ZMQ flush the error before the process exits
         raise
     finally:
+        if reader is not None:
+            reader.close()
         stop_heartbeats.set()
         hb.join(timeout=2)
         if dist.is_initialized():

@@ -3,6 +3,7 @@ the forward pass, and (rank 0) sampling."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,17 @@ from nvllm.worker.sampler import Sampler, SampleRequest
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def micro_batch_ranges(query_lens: list[int], min_tokens: int) -> list[tuple[int, int]]:
+    """Sequence ranges [a, b) of a step's micro-batches: two with about equal token
+    counts when the step has at least min_tokens tokens and two sequences, else one."""
+    n, total = len(query_lens), sum(query_lens)
+    if n < 2 or total < min_tokens:
+        return [(0, n)]
+    prefix = list(itertools.accumulate(query_lens[:-1]))
+    k = min(range(1, n), key=lambda j: abs(2 * prefix[j - 1] - total))
+    return [(0, k), (k, n)]
 
 
 class InvalidPlan(ValueError):
@@ -177,8 +189,7 @@ class ModelRunner:
             seq = held(rs.seq_id)
             if seq is None:
                 raise InvalidPlan(f"running sequence {rs.seq_id} is not held by this worker")
-            check(rs.seq_id, rs.new_token_ids, rs.new_block_ids,
-                  len(seq.token_ids) + len(rs.new_token_ids),
+            check(rs.seq_id, (), rs.new_block_ids, len(seq.token_ids),
                   len(seq.block_table) + len(rs.new_block_ids), seq.num_computed_tokens,
                   rs.num_new_tokens)
 
@@ -193,13 +204,14 @@ class ModelRunner:
             batch.append((ns.seq_id, seq, ns.num_new_tokens))
         for rs in plan.running:
             seq = self.seqs[rs.seq_id]
-            seq.token_ids.extend(rs.new_token_ids)
             seq.block_table.extend(rs.new_block_ids)
             batch.append((rs.seq_id, seq, rs.num_new_tokens))
         return batch
 
-    def _prepare(self, batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                        list[int]]:
+    def _prepare(self, batch) -> tuple[list[tuple[torch.Tensor, torch.Tensor,
+                                                   AttentionMetadata]], list[int]]:
+        """Inputs of the step's micro-batches (input ids, positions, metadata), and the
+        rows of the concatenated hidden states to sample from."""
         bs = self.block_size
         input_ids: list[int] = []
         query_lens: list[int] = []
@@ -215,13 +227,22 @@ class ModelRunner:
             context_lens.append(end)
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
-        meta, positions = build_metadata(query_lens, context_lens,
-                                         [s.block_table for _, s, _ in batch], bs, self.device)
-        if self.mirror:
-            meta.seq_kv = [self._mirror_for(seq, seq.num_computed_tokens + n)
-                           for _, seq, n in batch]
-        return (torch.tensor(input_ids, dtype=torch.long, device=self.device), positions, meta,
-                sample_rows)
+        micro, tok = [], 0
+        overlap = self.config.micro_batch_overlap and self.tp.world_size > 1
+        ranges = (micro_batch_ranges(query_lens, self.config.micro_batch_min_tokens)
+                  if overlap else [(0, len(batch))])
+        for a, b in ranges:
+            meta, positions = build_metadata(query_lens[a:b], context_lens[a:b],
+                                             [s.block_table for _, s, _ in batch[a:b]], bs,
+                                             self.device)
+            if self.mirror:
+                meta.seq_kv = [self._mirror_for(seq, seq.num_computed_tokens + n)
+                               for _, seq, n in batch[a:b]]
+            num = sum(query_lens[a:b])
+            ids = torch.tensor(input_ids[tok:tok + num], dtype=torch.long, device=self.device)
+            micro.append((ids, positions, meta))
+            tok += num
+        return micro, sample_rows
 
     @torch.inference_mode()
     def execute(self, plan: protocol.StepPlan) -> protocol.StepResult | None:
@@ -231,19 +252,28 @@ class ModelRunner:
         if not batch:
             return protocol.StepResult(plan.step_id, [], [], None, 0.0) if self.tp.rank == 0 \
                 else None
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        micro, sample_rows = self._prepare(batch)
+        hiddens = self.tp.run([self.model.stages(*mb) for mb in micro])
+        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         sampling = [(sid, seq) for sid, seq, n in batch
                     if seq.num_computed_tokens + n == len(seq.token_ids)]
         for _, seq, n in batch:
             seq.num_computed_tokens += n
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
-        if self.tp.rank != 0:
-            return None
         tokens, logprobs = [], None
-        if sampling:
+        if sampling and self.tp.rank == 0:
             reqs = [SampleRequest(seq.sampling, seq.token_ids, seq.num_prompt_tokens)
                     for _, seq in sampling]
             tokens, logprobs = self.sampler(logits, reqs)
+        if sampling and self.tp.world_size > 1:
+            # Every rank keeps the sampled tokens itself: the next plan (possibly already
+            # sent, with async scheduling) computes them without a trip through the leader.
+            t = (torch.tensor(tokens, dtype=torch.long, device=self.device) if self.tp.rank == 0
+                 else torch.empty(len(sampling), dtype=torch.long, device=self.device))
+            tokens = self.tp.broadcast_from_first(t).tolist()
+        for (_, seq), token in zip(sampling, tokens):
+            seq.token_ids.append(token)
+        if self.tp.rank != 0:
+            return None
         return protocol.StepResult(plan.step_id, [sid for sid, _ in sampling], tokens,
                                    logprobs, time.perf_counter() - t0)

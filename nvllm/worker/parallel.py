@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,48 @@ class TPContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(x, group=self.group)
+        return x
+
+    def run(self, passes: list[Generator]) -> list:
+        """Drive forward passes written as generators that yield each partial sum to
+        all-reduce (in place) and take the reduced tensor back; returns their results.
+
+        One pass runs its all-reduces synchronously. Two or more (micro-batches of one
+        step) take turns: a pass's all-reduce is started asynchronously (on gloo, its
+        own thread; on NCCL, its own stream) and the next pass computes meanwhile, so
+        communication hides behind compute. Each pass does exactly the same arithmetic
+        either way.
+        """
+        results: list = [None] * len(passes)
+        if len(passes) == 1 or self.world_size == 1:
+            for i, g in enumerate(passes):
+                try:
+                    t = next(g)
+                    while True:
+                        t = g.send(self.all_reduce(t))
+                except StopIteration as e:
+                    results[i] = e.value
+            return results
+        live: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        for i, g in enumerate(passes):
+            t = next(g)
+            live[i] = (t, dist.all_reduce(t, group=self.group, async_op=True))
+        while live:
+            for i in list(live):
+                t, work = live.pop(i)
+                work.wait()
+                try:
+                    t = passes[i].send(t)
+                except StopIteration as e:
+                    results[i] = e.value
+                    continue
+                live[i] = (t, dist.all_reduce(t, group=self.group, async_op=True))
+        return results
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite x on every rank with rank 0's x (in place)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -39,8 +39,8 @@ def _plan() -> StepPlan:
                    num_computed_tokens=1, num_new_tokens=2, block_table=[0], sampling=s2),
         ],
         running=[
-            RunningSeq(seq_id=3, num_new_tokens=1, new_token_ids=[42], new_block_ids=[]),
-            RunningSeq(seq_id=4, num_new_tokens=1, new_token_ids=[7], new_block_ids=[11]),
+            RunningSeq(seq_id=3, num_new_tokens=1, new_block_ids=[]),
+            RunningSeq(seq_id=4, num_new_tokens=1, new_block_ids=[11]),
         ],
         finished_ids=[5, 6],
     )
@@ -140,7 +140,8 @@ def test_rejects_unknown_kind(kind):
     [InitKVCache.KIND, 1, 2],
     [WorkerError.KIND, 0, 0, "m"],
     [StepPlan.KIND, 1, [], []],
-    [StepPlan.KIND, 1, [], [[1, 1, [2]]], []],  # RunningSeq with 3 of 4 fields
+    [StepPlan.KIND, 1, [], [[1, 1]], []],  # RunningSeq with 2 of 3 fields
+    [StepPlan.KIND, 1, [], [[1, 1, [2], [3]]], []],  # RunningSeq with 4 of 3 fields
     [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0], [0.0] * 10]], [], []],  # WorkerSampling 10/11
     [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0]]], [], []],  # NewSeq without its sampling
 ])
@@ -180,8 +181,8 @@ def _mutated(path: tuple, value) -> bytes:
     ((2, 0, 6, 4), 1.5),  # WorkerSampling.seed: ?int
     ((2, 0, 6, 6), [1.0]),  # WorkerSampling.stop_token_ids
     ((3, 0, 1), True),  # RunningSeq.num_new_tokens: bool where int
-    ((3, 0, 2), [42.0]),  # RunningSeq.new_token_ids
-    ((3, 1, 3), "11"),  # RunningSeq.new_block_ids
+    ((3, 1, 2), "11"),  # RunningSeq.new_block_ids
+    ((3, 1, 2), [11.0]),  # RunningSeq.new_block_ids: a float among ints
 ])
 def test_rejects_wrong_field_types(path, value):
     _rejects(_mutated(path, value))
@@ -237,7 +238,6 @@ def _decode_plan(n: int, with_block: bool) -> StepPlan:
         step_id=123_456,
         new_seqs=[],
         running=[RunningSeq(seq_id=1000 + i, num_new_tokens=1,
-                            new_token_ids=[65535 - 37 * i],
                             new_block_ids=[60_000 + i] if with_block else [])
                  for i in range(n)],
         finished_ids=[],

@@ -1,9 +1,16 @@
-"""Fixtures shared by the leader tests (helpers live in tests/support/leader_sim.py)."""
+"""Fixtures shared by the leader tests (helpers live in tests/support/leader_sim.py and
+tests/support/fake_workers.py)."""
 
 from __future__ import annotations
 
 import pytest
+from fake_workers import BLOCK, NUM_BLOCKS, FakeWorkers
 from leader_sim import Sim, assert_no_leak
+from transformers import AutoTokenizer
+
+from nvllm.common import protocol
+from nvllm.common.config import EngineConfig
+from nvllm.leader.engine import LLMEngine
 
 
 @pytest.fixture
@@ -20,3 +27,35 @@ def make_sim():
         sim.drain()
         sim.check_ref_counts()
         assert_no_leak(sim.kv)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return AutoTokenizer.from_pretrained(tiny("qwen3"))
+
+
+@pytest.fixture
+def make_engine(tiny, tokenizer):
+    engines: list[LLMEngine] = []
+
+    def factory(choose=None, **overrides) -> tuple[LLMEngine, FakeWorkers]:
+        the = tokenizer(" the", add_special_tokens=False).input_ids[0]
+        workers = FakeWorkers(choose or (lambda sid, fs: the))
+        # Synchronous steps, so tests can count them: one plan, then its result. The
+        # async engine is held to the same outputs in test_async_scheduling.py.
+        kw = dict(device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+                  log_stats_interval_s=3600.0, async_scheduling=False)
+        kw.update(overrides)
+        config = EngineConfig(tiny("qwen3"), **kw).finalize()
+        engine = LLMEngine(config, workers, tokenizer)
+        assert not workers.inbox  # both ready stages consumed
+        engines.append(engine)
+        return engine, workers
+
+    yield factory
+    for engine in engines:
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        engine.shutdown()
+        assert isinstance(engine.workers.other[-1], protocol.Shutdown)

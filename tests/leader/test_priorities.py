@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
-from dataclasses import dataclass
 
 import pytest
+from fake_workers import (
+    NUM_BLOCKS,
+    deltas_of,
+    finished_of,
+    in_plan,
+    metric,
+    prompt_ids,
+    run,
+    scripted,
+)
 from leader_sim import Sim, assert_no_leak, make_seq, toks
-from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
-from nvllm.common import protocol
-from nvllm.common.config import EngineConfig
 from nvllm.common.errors import Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.leader.engine import LLMEngine
 from nvllm.leader.scheduler import SchedulerOutput
 from nvllm.leader.sequence import Sequence, SequenceStatus
 
@@ -248,147 +251,6 @@ def test_random_priorities_under_kv_pressure_finish_without_leaks(make_psim, see
 # Part 2: the engine, with a fake worker group
 # =============================================================================================
 
-BLOCK = 4
-NUM_BLOCKS = 64
-
-
-@dataclass
-class FakeSeq:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_table: list[int]
-
-
-class FakeWorkers:
-    """Stands in for WorkerGroupClient: one rank that 'computes' every plan at once.
-
-    choose(seq_id, fake_seq) -> the token sampled for a seq whose last token was computed
-    (the default samples " the" forever). Plans go through the wire codec, like the real
-    client, and are kept in ``plans``.
-    """
-
-    num_workers = 1
-
-    def __init__(self, choose) -> None:
-        self.dead = None
-        self.choose = choose
-        self.plans: list[protocol.StepPlan] = []
-        self.other: list = []
-        self.seqs: dict[int, FakeSeq] = {}
-        self.inbox: deque = deque([protocol.WorkerReady(0, "loaded", NUM_BLOCKS, {})])
-
-    def broadcast(self, msg) -> int:
-        data = protocol.encode(msg)
-        msg = protocol.decode(data)
-        if isinstance(msg, protocol.InitKVCache):
-            self.num_kv_blocks = msg.num_blocks
-            self.inbox.append(protocol.WorkerReady(0, "kv", NUM_BLOCKS, {}))
-        elif isinstance(msg, protocol.StepPlan):
-            self.plans.append(msg)
-            self.inbox.append(self._execute(msg))
-        else:
-            self.other.append(msg)
-        return len(data)
-
-    def recv(self, timeout_s: float):
-        return self.inbox.popleft()
-
-    def _execute(self, plan: protocol.StepPlan) -> protocol.StepResult:
-        # What ModelRunner._apply_plan / execute do with a plan, minus the model.
-        for sid in plan.finished_ids:
-            self.seqs.pop(sid, None)
-        batch = []
-        for ns in plan.new_seqs:
-            assert ns.seq_id not in self.seqs, "a new seq the workers already hold"
-            fs = FakeSeq(list(ns.token_ids), ns.num_prompt_tokens, ns.num_computed_tokens,
-                         list(ns.block_table))
-            self.seqs[ns.seq_id] = fs
-            batch.append((ns.seq_id, fs, ns.num_new_tokens))
-        for rs in plan.running:
-            fs = self.seqs[rs.seq_id]
-            fs.token_ids.extend(rs.new_token_ids)
-            fs.block_table.extend(rs.new_block_ids)
-            batch.append((rs.seq_id, fs, rs.num_new_tokens))
-        seq_ids, tokens = [], []
-        for sid, fs, n in batch:
-            end = fs.num_computed_tokens + n
-            assert n >= 1 and end <= len(fs.token_ids)
-            assert len(fs.block_table) * BLOCK >= end, "no KV slot for a scheduled token"
-            fs.num_computed_tokens = end
-            if end == len(fs.token_ids):
-                seq_ids.append(sid)
-                tokens.append(self.choose(sid, fs))
-        return protocol.StepResult(plan.step_id, seq_ids, tokens, None, 0.001)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny):
-    return AutoTokenizer.from_pretrained(tiny("qwen3"))
-
-
-@pytest.fixture
-def make_engine(tiny, tokenizer):
-    engines: list[LLMEngine] = []
-
-    def factory(choose=None, **overrides) -> tuple[LLMEngine, FakeWorkers]:
-        the = tokenizer(" the", add_special_tokens=False).input_ids[0]
-        workers = FakeWorkers(choose or (lambda sid, fs: the))
-        kw = dict(device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
-                  log_stats_interval_s=3600.0)
-        kw.update(overrides)
-        config = EngineConfig(tiny("qwen3"), **kw).finalize()
-        engine = LLMEngine(config, workers, tokenizer)
-        assert workers.inbox == deque()  # both ready stages consumed
-        engines.append(engine)
-        return engine, workers
-
-    yield factory
-    for engine in engines:
-        for rid in list(engine.requests):
-            engine.abort_request(rid)
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks
-        engine.shutdown()
-        assert isinstance(engine.workers.other[-1], protocol.Shutdown)
-
-
-def prompt_ids(start: int, n: int) -> list[int]:
-    """Distinct ordinary token ids (the tokenizer's specials are 0..2)."""
-    return list(range(100 + start, 100 + start + n))
-
-
-def run(engine: LLMEngine, max_steps: int = 500) -> list:
-    outs = []
-    while engine.has_unfinished_requests():
-        assert len(outs) < max_steps
-        outs.append(engine.step())
-    return outs
-
-
-def deltas_of(outs, request_id: str, index: int = 0) -> list:
-    return [d for o in outs for d in o.deltas if d.request_id == request_id and d.index == index]
-
-
-def finished_of(outs, request_id: str):
-    got = [r for o in outs for r in o.finished if r.request_id == request_id]
-    assert len(got) == 1
-    return got[0]
-
-
-def metric(engine: LLMEngine, sample: str, **labels) -> float:
-    total, seen = 0.0, False
-    for family in text_string_to_metric_families(engine.metrics.exposition()):
-        for s in family.samples:
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-                total, seen = total + s.value, True
-    assert seen, f"no sample {sample} {labels}"
-    return total
-
-
-def in_plan(plan: protocol.StepPlan, seq_id: int) -> bool:
-    return any(s.seq_id == seq_id for s in (*plan.new_seqs, *plan.running))
-
-
 # ---- time to live ---------------------------------------------------------------------------
 
 
@@ -530,17 +392,6 @@ def test_max_queued_requests_counts_requests_not_completions(make_engine):
 
 
 # ---- stop strings and EOS -------------------------------------------------------------------
-
-
-def scripted(tokenizer, text: str):
-    """A fake model that generates `text` (then repeats its last token): (choose, ids)."""
-    script = tokenizer(text, add_special_tokens=False).input_ids
-
-    def choose(sid, fs) -> int:
-        n_out = len(fs.token_ids) - fs.num_prompt_tokens
-        return script[min(n_out, len(script) - 1)]
-
-    return choose, script
 
 
 def test_stop_string_ends_the_completion_and_cuts_the_text(make_engine, tokenizer):

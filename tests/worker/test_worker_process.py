@@ -93,7 +93,7 @@ def test_worker_survives_hostile_plan_frames(tiny, tmp_path):
             "outside the KV cache": protocol.StepPlan(3, [new_seq(0, [1, 2], [16])], [], []),
             "block(s) of 4": protocol.StepPlan(4, [new_seq(0, list(range(1, 10)), [0])], [],
                                                []),
-            "not held": protocol.StepPlan(5, [], [protocol.RunningSeq(7, 1, [3], [])], []),
+            "not held": protocol.StepPlan(5, [], [protocol.RunningSeq(7, 1, [])], []),
             "appears twice": protocol.StepPlan(6, [new_seq(0, [1], [0]), new_seq(0, [2], [1])],
                                                [], []),
         }
@@ -106,8 +106,8 @@ def test_worker_survives_hostile_plan_frames(tiny, tmp_path):
         leader.send(protocol.StepPlan(7, [new_seq(0, [5, 6, 7, 8, 9], [0, 1])], [], []))
         first = leader.recv()
         assert isinstance(first, protocol.StepResult) and first.seq_ids == [0]
-        leader.send(protocol.StepPlan(8, [], [protocol.RunningSeq(0, 1, first.token_ids, [])],
-                                      []))
+        # The worker kept the token it sampled: the delta carries only the count.
+        leader.send(protocol.StepPlan(8, [], [protocol.RunningSeq(0, 1, [])], []))
         second = leader.recv()
         assert isinstance(second, protocol.StepResult) and second.seq_ids == [0]
         leader.send(protocol.Shutdown())

@@ -28,13 +28,16 @@ class VocabParallelEmbedding(nn.Module):
         if n > 0:
             param.data[:n].copy_(src[self.vocab_start:self.vocab_end])
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's vocabulary shard (zeros elsewhere): all-reduce to finish."""
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mask, input_ids - self.vocab_start, 0)
-        y = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(y)
+        return F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(input_ids))
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -113,6 +113,13 @@ class RowParallelLinear(nn.Module):
         size = self.input_size_per_partition
         _load(param, src, 1, self.tp.rank * size, (self.tp.rank + 1) * size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, before the all-reduce."""
+        return F.linear(x, self.weight)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """After the all-reduce: the bias, added once."""
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.tp.all_reduce(self.partial(x)))

@@ -6,6 +6,8 @@ q/k RMSNorm (Qwen3), explicit head_dim, rope scaling and tied embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 from torch import nn
 
@@ -21,6 +23,9 @@ from nvllm.worker.layers.linear import (
 )
 from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
 from nvllm.worker.parallel import TPContext
+
+# Yields partial sums to all-reduce, receives them reduced (see LlamaForCausalLM.stages).
+Stages = Generator[torch.Tensor, torch.Tensor, object]
 
 
 class DecoderAttention(nn.Module):
@@ -44,8 +49,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+    def partial(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """Attention up to o_proj's partial sum (all-reduce, then o_proj.finish)."""
         qkv = self.qkv_proj(x)
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
@@ -57,7 +63,7 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v.contiguous(), meta)
-        return self.o_proj(o.reshape(-1, self.num_heads * d))
+        return self.o_proj.partial(o.reshape(-1, self.num_heads * d))
 
 
 class DecoderMLP(nn.Module):
@@ -70,8 +76,9 @@ class DecoderMLP(nn.Module):
                                            dtype)
         self.act_fn = SiluAndMul(backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP up to down_proj's partial sum (all-reduce, then down_proj.finish)."""
+        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -84,15 +91,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 backend)
 
-    def forward(self, positions, x, residual, meta):
+    def stages(self, positions, x, residual, meta) -> Stages:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn.o_proj.finish((yield self.self_attn.partial(positions, x, meta)))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp.down_proj.finish((yield self.mlp.partial(x)))
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,14 +137,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def stages(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> Stages:
+        """The forward pass as a generator: it yields every partial sum that needs a
+        tensor-parallel all-reduce, is resumed with the reduced tensor, and returns the
+        final hidden states. TPContext.run drives one pass, or two micro-batches so that
+        one's all-reduce runs while the other computes."""
+        x = yield self.embed_tokens.partial(input_ids)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = yield from layer.stages(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.embed_tokens.tp.run([self.stages(input_ids, positions, meta)])[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)

@@ -1,0 +1,143 @@
+"""An in-process stand-in for the worker group, to run ``LLMEngine`` without workers.
+
+``FakeWorkers`` keeps per-sequence state from the plans the way ``ModelRunner`` does
+(new sequences in full, running ones as block deltas, sampled tokens kept by the
+workers) and samples a scripted token for every sequence whose last token was computed.
+Plans go through the wire codec, like the real client's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nvllm.common import protocol
+from nvllm.leader.engine import LLMEngine
+
+BLOCK = 4
+NUM_BLOCKS = 64
+
+
+@dataclass
+class FakeSeq:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+class FakeWorkers:
+    """Stands in for WorkerGroupClient: one rank that 'computes' every plan at once.
+
+    choose(seq_id, fake_seq) -> the token sampled for a seq whose last token was computed
+    (the default samples " the" forever). Plans go through the wire codec, like the real
+    client, and are kept in ``plans``.
+    """
+
+    num_workers = 1
+
+    def __init__(self, choose) -> None:
+        self.dead = None
+        self.choose = choose
+        self.plans: list[protocol.StepPlan] = []
+        self.other: list = []
+        self.seqs: dict[int, FakeSeq] = {}
+        self.inbox: deque = deque([protocol.WorkerReady(0, "loaded", NUM_BLOCKS, {})])
+        self.num_recvs = 0
+        # Per plan: how many messages the engine had received when it sent the plan.
+        self.recvs_before_plan: list[int] = []
+
+    def broadcast(self, msg) -> int:
+        data = protocol.encode(msg)
+        msg = protocol.decode(data)
+        if isinstance(msg, protocol.InitKVCache):
+            self.num_kv_blocks = msg.num_blocks
+            self.inbox.append(protocol.WorkerReady(0, "kv", NUM_BLOCKS, {}))
+        elif isinstance(msg, protocol.StepPlan):
+            self.plans.append(msg)
+            self.recvs_before_plan.append(self.num_recvs)
+            self.inbox.append(self._execute(msg))
+        else:
+            self.other.append(msg)
+        return len(data)
+
+    def recv(self, timeout_s: float):
+        self.num_recvs += 1
+        return self.inbox.popleft()
+
+    def _execute(self, plan: protocol.StepPlan) -> protocol.StepResult:
+        # What ModelRunner._apply_plan / execute do with a plan, minus the model.
+        for sid in plan.finished_ids:
+            self.seqs.pop(sid, None)
+        batch = []
+        for ns in plan.new_seqs:
+            assert ns.seq_id not in self.seqs, "a new seq the workers already hold"
+            fs = FakeSeq(list(ns.token_ids), ns.num_prompt_tokens, ns.num_computed_tokens,
+                         list(ns.block_table))
+            self.seqs[ns.seq_id] = fs
+            batch.append((ns.seq_id, fs, ns.num_new_tokens))
+        for rs in plan.running:
+            fs = self.seqs[rs.seq_id]
+            fs.block_table.extend(rs.new_block_ids)
+            batch.append((rs.seq_id, fs, rs.num_new_tokens))
+        seq_ids, tokens = [], []
+        for sid, fs, n in batch:
+            end = fs.num_computed_tokens + n
+            assert n >= 1 and end <= len(fs.token_ids)
+            assert len(fs.block_table) * BLOCK >= end, "no KV slot for a scheduled token"
+            fs.num_computed_tokens = end
+            if end == len(fs.token_ids):
+                seq_ids.append(sid)
+                tokens.append(self.choose(sid, fs))
+                fs.token_ids.append(tokens[-1])  # workers keep what they sample
+        return protocol.StepResult(plan.step_id, seq_ids, tokens, None, 0.001)
+
+
+def prompt_ids(start: int, n: int) -> list[int]:
+    """Distinct ordinary token ids (the tokenizer's specials are 0..2)."""
+    return list(range(100 + start, 100 + start + n))
+
+
+def run(engine: LLMEngine, max_steps: int = 500) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        assert len(outs) < max_steps
+        outs.append(engine.step())
+    return outs
+
+
+def deltas_of(outs, request_id: str, index: int = 0) -> list:
+    return [d for o in outs for d in o.deltas if d.request_id == request_id and d.index == index]
+
+
+def finished_of(outs, request_id: str):
+    got = [r for o in outs for r in o.finished if r.request_id == request_id]
+    assert len(got) == 1
+    return got[0]
+
+
+def metric(engine: LLMEngine, sample: str, **labels) -> float:
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(engine.metrics.exposition()):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                total, seen = total + s.value, True
+    assert seen, f"no sample {sample} {labels}"
+    return total
+
+
+def in_plan(plan: protocol.StepPlan, seq_id: int) -> bool:
+    return any(s.seq_id == seq_id for s in (*plan.new_seqs, *plan.running))
+
+
+def scripted(tokenizer, text: str):
+    """A fake model that generates `text` (then repeats its last token): (choose, ids)."""
+    script = tokenizer(text, add_special_tokens=False).input_ids
+
+    def choose(sid, fs) -> int:
+        n_out = len(fs.token_ids) - fs.num_prompt_tokens
+        return script[min(n_out, len(script) - 1)]
+
+    return choose, script
