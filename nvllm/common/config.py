@@ -173,6 +173,9 @@ class EngineConfig:
             logger.info("max_num_seqs lowered from %d to max_num_batched_tokens=%d",
                         self.max_num_seqs, self.max_num_batched_tokens)
             self.max_num_seqs = self.max_num_batched_tokens
+        if self.micro_batch_min_tokens < 1:
+            raise ValueError(
+                f"micro_batch_min_tokens must be >= 1, got {self.micro_batch_min_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -114,12 +114,14 @@ def _common(f):
               help="Run a short generate first, outside the timing.")
 @click.option("--async-scheduling/--no-async-scheduling", default=True,
               help="Overlap the leader's work with the workers' (as nvllm-launch).")
+@click.option("--micro-batch-overlap/--no-micro-batch-overlap", default=True,
+              help="With --tp > 1, overlap all-reduces with compute (as nvllm-launch).")
 @_common
 def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None,
-               warmup: bool, async_scheduling: bool, input_len: tuple[int, int],
-               output_len: tuple[int, int],
-               seed: int, as_json: bool, log_level: str) -> None:
+               warmup: bool, async_scheduling: bool, micro_batch_overlap: bool,
+               input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
+               as_json: bool, log_level: str) -> None:
     """Offline: time LLM.generate on NUM_SEQS random requests."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams
@@ -139,7 +141,8 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
     params = [SamplingParams(**_greedy(o)) for o in wl.output_lens]
     with LLM(path, tensor_parallel_size=tp, device=device, dtype=dtype,
              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, async_scheduling=async_scheduling) as llm:
+             max_model_len=max_model_len, async_scheduling=async_scheduling,
+             micro_batch_overlap=micro_batch_overlap) as llm:
         cfg = llm.config
         if warmup:  # first steps pay for allocator growth and lazy init; keep them out
             wrng = random.Random(seed + 1)
@@ -159,6 +162,7 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
            "output_len": list(output_len), "max_model_len": cfg.max_model_len,
            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
            "async_scheduling": cfg.async_scheduling,
+           "micro_batch_overlap": cfg.micro_batch_overlap,
            "seed": seed, "failures": len(outs) - len(ok),
            "errors": sorted({o.error for o in outs if o.error})[:5],
            "prompt_tokens": n_in, "output_tokens": n_out,

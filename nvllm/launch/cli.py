@@ -74,6 +74,11 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
 @click.option("--async-scheduling/--no-async-scheduling", default=True,
               help="Send step N+1's plan before applying step N's result, so the leader's "
                    "work overlaps the workers' (outputs are identical either way).")
+@click.option("--micro-batch-overlap/--no-micro-batch-overlap", default=True,
+              help="With --tp > 1, cut big steps into two micro-batches so one's all-reduce "
+                   "runs while the other computes.")
+@click.option("--micro-batch-min-tokens", default=256, type=int,
+              help="Smallest step (in tokens) that is cut into micro-batches.")
 @click.option("--max-queued-requests", default=None, type=int,
               help="Refuse new requests with 'overloaded' beyond this many waiting.")
 @click.option("--batch-timeout-ms", default=0.0, type=float,
@@ -128,7 +133,8 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
-           enable_prefix_caching, attention_backend, async_scheduling, max_queued_requests,
+           enable_prefix_caching, attention_backend, async_scheduling, micro_batch_overlap,
+           micro_batch_min_tokens, max_queued_requests,
            batch_timeout_ms,
            client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
            served_model_name, api_key, nnodes, node_rank, nproc_per_node, master_addr,
@@ -177,6 +183,8 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
               max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
               gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
               attention_backend=attention_backend, async_scheduling=async_scheduling,
+              micro_batch_overlap=micro_batch_overlap,
+              micro_batch_min_tokens=micro_batch_min_tokens,
               max_queued_requests=max_queued_requests,
               batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s,
               heartbeat_timeout_s=heartbeat_timeout, step_timeout_s=step_timeout,

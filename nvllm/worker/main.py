@@ -105,51 +105,62 @@ class PlanConnectionWatch:
 
 
 class PlanReader:
-    """Receives and decodes plans on its own thread, so plan N+1 is read off the socket
-    and checked for types while step N computes (torch releases the GIL in its kernels).
+    """Takes plans off the plan socket and decodes them.
 
-    The main loop takes decoded messages with ``get``; a lost connection surfaces there
-    as the exception the watch raised. The thread owns the plan socket and its monitor.
+    Threaded (on GPU), plan N+1 is received, decoded and type-checked on its own thread
+    while step N runs on the device. On CPU the step's compute owns every core and a
+    reader thread only preempts it (measured: about 10% fewer tokens/s), so plans are
+    read inline. A lost connection surfaces from ``get`` as the watch's exception.
     """
 
     def __init__(self, sock: zmq.Socket, watch: PlanConnectionWatch, rank: int,
-                 max_bytes: int) -> None:
+                 max_bytes: int, threaded: bool) -> None:
         self.sock, self.watch, self.rank, self.max_bytes = sock, watch, rank, max_bytes
-        self.inbox: queue.Queue = queue.Queue()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="plan-reader")
-        self.thread.start()
+        self.thread = None
+        if threaded:
+            self.inbox: queue.Queue = queue.Queue()
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._run, daemon=True, name="plan-reader")
+            self.thread.start()
+
+    def _read_one(self):
+        """The next message, or None after a quiet poll interval or a malformed frame."""
+        # Poll, never block: the heartbeat thread ends the process if the leader dies.
+        if not self.sock.poll(RECV_POLL_MS):
+            self.watch.check()
+            return None
+        try:
+            return protocol.decode(self.sock.recv(), self.max_bytes)
+        except ProtocolError as e:
+            logger.error("rank %d: dropping malformed plan frame: %s", self.rank, e)
+            return None
 
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                # Poll, never block: the heartbeat thread ends the process if the leader
-                # dies, and stop() must be seen.
-                if not self.sock.poll(RECV_POLL_MS):
-                    self.watch.check()
-                    continue
-                data = self.sock.recv()
+                msg = self._read_one()
             except Exception as e:  # the connection watch's verdict, or a closed socket
                 self.inbox.put(e)
                 return
-            try:
-                msg = protocol.decode(data, self.max_bytes)
-            except ProtocolError as e:
-                logger.error("rank %d: dropping malformed plan frame: %s", self.rank, e)
-                continue
-            self.inbox.put(msg)
-            if isinstance(msg, protocol.Shutdown):
-                return
+            if msg is not None:
+                self.inbox.put(msg)
+                if isinstance(msg, protocol.Shutdown):
+                    return
 
     def get(self):
+        if self.thread is None:
+            while (msg := self._read_one()) is None:
+                pass
+            return msg
         msg = self.inbox.get()
         if isinstance(msg, Exception):
             raise msg
         return msg
 
     def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=2 * RECV_POLL_MS / 1000)
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join(timeout=2 * RECV_POLL_MS / 1000)
 
 
 def init_distributed(spec: dict, backend: str, timeout_s: float) -> None:
@@ -209,7 +220,8 @@ def run_worker(spec: dict) -> None:
         runner = ModelRunner(config, tp, device)
         result_sock.send(protocol.encode(protocol.WorkerReady(
             rank, "loaded", runner.available_kv_blocks(), {"block_bytes": runner.block_bytes()})))
-        reader = PlanReader(plan_sock, watch, rank, max_plan_bytes)
+        reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,
+                            threaded=device.type == "cuda")
         while True:
             msg = reader.get()
             if isinstance(msg, protocol.Shutdown):
