@@ -106,6 +106,8 @@ class EngineConfig:
     # micro-batches, so one's all-reduce runs while the other computes.
     micro_batch_overlap: bool = True
     micro_batch_min_tokens: int = 256
+    # CUDA: never capture decode steps as CUDA graphs (debugging, or to save the memory).
+    enforce_eager: bool = False
     seed: int = 0
     max_queued_requests: int | None = None  # beyond it, submissions are refused at once
     batch_timeout_ms: float = 0.0  # idle engine: wait this long for more arrivals

@@ -116,10 +116,12 @@ def _common(f):
               help="Overlap the leader's work with the workers' (as nvllm-launch).")
 @click.option("--micro-batch-overlap/--no-micro-batch-overlap", default=True,
               help="With --tp > 1, overlap all-reduces with compute (as nvllm-launch).")
+@click.option("--enforce-eager", is_flag=True, help="CUDA: no decode graphs (as nvllm-launch).")
 @_common
 def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None,
                warmup: bool, async_scheduling: bool, micro_batch_overlap: bool,
+               enforce_eager: bool,
                input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
                as_json: bool, log_level: str) -> None:
     """Offline: time LLM.generate on NUM_SEQS random requests."""
@@ -142,7 +144,7 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
     with LLM(path, tensor_parallel_size=tp, device=device, dtype=dtype,
              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
              max_model_len=max_model_len, async_scheduling=async_scheduling,
-             micro_batch_overlap=micro_batch_overlap) as llm:
+             micro_batch_overlap=micro_batch_overlap, enforce_eager=enforce_eager) as llm:
         cfg = llm.config
         if warmup:  # first steps pay for allocator growth and lazy init; keep them out
             wrng = random.Random(seed + 1)
@@ -162,7 +164,7 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
            "output_len": list(output_len), "max_model_len": cfg.max_model_len,
            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
            "async_scheduling": cfg.async_scheduling,
-           "micro_batch_overlap": cfg.micro_batch_overlap,
+           "micro_batch_overlap": cfg.micro_batch_overlap, "enforce_eager": cfg.enforce_eager,
            "seed": seed, "failures": len(outs) - len(ok),
            "errors": sorted({o.error for o in outs if o.error})[:5],
            "prompt_tokens": n_in, "output_tokens": n_out,

@@ -14,6 +14,7 @@ from nvllm.common import protocol
 from nvllm.common.config import EngineConfig
 from nvllm.kernels.metadata import AttentionMetadata, build_metadata
 from nvllm.kernels.ops import resolve_backend
+from nvllm.worker.cuda_graph import CUDAGraphRunner
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models.llama import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
@@ -21,6 +22,7 @@ from nvllm.worker.sampler import Sampler, SampleRequest
 
 logger = logging.getLogger(__name__)
 
+MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amortized)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,6 +77,12 @@ class ModelRunner:
                        and config.cpu_kv_mirror)
         self.mirror_budget = int(config.cpu_kv_cache_gib * (1 << 30))
         self.mirror_bytes = 0
+        # Decode steps from CUDA graphs: the Triton kernels size their grids from shapes
+        # only (the torch backend loops over host-side lengths, which a graph would freeze).
+        self.use_cuda_graphs = (device.type == "cuda" and self.backend == "triton"
+                                and not config.enforce_eager)
+        self.graph_batch_size = min(config.max_num_seqs, MAX_GRAPH_BATCH)
+        self.graphs: CUDAGraphRunner | None = None
         attn0 = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
 
@@ -93,8 +101,12 @@ class ModelRunner:
             budget = total * self.config.gpu_memory_utilization - used
             # Keep room for activations of a full batch (measured-free estimate: the
             # largest step's hidden states and logits a few times over).
-            peak = (self.config.max_num_batched_tokens * 16
-                    * self.model.embed_tokens.weight.shape[1] * self.dtype.itemsize)
+            per_token = 16 * self.model.embed_tokens.weight.shape[1] * self.dtype.itemsize
+            peak = self.config.max_num_batched_tokens * per_token
+            if self.use_cuda_graphs:
+                # The decode graphs' private pool: one largest batch's activations, plus
+                # room for the graphs themselves.
+                peak += self.graph_batch_size * per_token + (64 << 20)
             return max(0, int((budget - peak) // self.block_bytes()))
         return int(self.config.cpu_kv_cache_gib * (1 << 30) // self.block_bytes())
 
@@ -106,6 +118,16 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
             layer.self_attn.attn.layer_idx = i
+        if self.use_cuda_graphs:
+            self.capture_graphs()
+
+    def capture_graphs(self, graph_factory=None) -> None:
+        """Capture the decode graphs (after the KV cache exists: they address it)."""
+        self.graphs = CUDAGraphRunner(
+            lambda ids, pos, meta: self.tp.run([self.model.stages(ids, pos, meta)])[0],
+            self.graph_batch_size, -(-self.config.max_model_len // self.block_size),
+            self.block_size, self.device, graph_factory)
+        self.graphs.capture()
 
     def _drop(self, sid: int) -> None:
         seq = self.seqs.pop(sid, None)
@@ -209,9 +231,10 @@ class ModelRunner:
         return batch
 
     def _prepare(self, batch) -> tuple[list[tuple[torch.Tensor, torch.Tensor,
-                                                   AttentionMetadata]], list[int]]:
-        """Inputs of the step's micro-batches (input ids, positions, metadata), and the
-        rows of the concatenated hidden states to sample from."""
+                                                   AttentionMetadata]], list[int], bool]:
+        """Inputs of the step's micro-batches (input ids, positions, metadata), the rows
+        of the concatenated hidden states to sample from, and whether a decode graph
+        runs the step."""
         bs = self.block_size
         input_ids: list[int] = []
         query_lens: list[int] = []
@@ -228,7 +251,11 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
         micro, tok = [], 0
-        overlap = self.config.micro_batch_overlap and self.tp.world_size > 1
+        graphed = self.graphs is not None and self.graphs.can_run(
+            len(batch), len(input_ids), max(len(s.block_table) for _, s, _ in batch))
+        # A graph replays the whole batch; otherwise big tensor-parallel steps are cut.
+        overlap = (self.config.micro_batch_overlap and self.tp.world_size > 1
+                   and not graphed)
         ranges = (micro_batch_ranges(query_lens, self.config.micro_batch_min_tokens)
                   if overlap else [(0, len(batch))])
         for a, b in ranges:
@@ -242,7 +269,7 @@ class ModelRunner:
             ids = torch.tensor(input_ids[tok:tok + num], dtype=torch.long, device=self.device)
             micro.append((ids, positions, meta))
             tok += num
-        return micro, sample_rows
+        return micro, sample_rows, graphed
 
     @torch.inference_mode()
     def execute(self, plan: protocol.StepPlan) -> protocol.StepResult | None:
@@ -252,9 +279,12 @@ class ModelRunner:
         if not batch:
             return protocol.StepResult(plan.step_id, [], [], None, 0.0) if self.tp.rank == 0 \
                 else None
-        micro, sample_rows = self._prepare(batch)
-        hiddens = self.tp.run([self.model.stages(*mb) for mb in micro])
-        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
+        micro, sample_rows, graphed = self._prepare(batch)
+        if graphed:
+            hidden = self.graphs.run(*micro[0])
+        else:
+            hiddens = self.tp.run([self.model.stages(*mb) for mb in micro])
+            hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         sampling = [(sid, seq) for sid, seq, n in batch
                     if seq.num_computed_tokens + n == len(seq.token_ids)]
         for _, seq, n in batch:
