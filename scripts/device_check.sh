@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a session that is lent a GPU (see README "GPU checks"): kernel tests on
-# CUDA, the engine's CUDA exactness tests, the CUDA IPC transport self-test, and the kernel
-# benchmark; results go to ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json).
+# CUDA, the engine's CUDA exactness tests (CUDA graphs included), the CUDA IPC transport
+# self-test, the kernel benchmark and the engine throughput benchmark against HF; results
+# go to ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json, bench_gpu.json).
 # Budget: < 8 minutes.
 #
 # The GPU image has torch, triton, transformers, msgpack, click, xxhash, pytest but no
@@ -41,5 +42,7 @@ run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
 # CUDA IPC transport through the image's CuPy: writer + a subprocess reader (exit 2: no CuPy)
 run transport-cuda 90 python3 -m nvllm.common.transport --selftest-cuda
 run bench-kernels 120 python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json"
+# Engine throughput: Qwen3-0.6B-shaped bf16, nano-vllm's workload, vs HF on the same GPU.
+run bench-gpu 300 python3 scripts/bench_gpu.py --json "$OUT/bench_gpu.json"
 echo "device check: $([ $status = 0 ] && echo PASSED || echo FAILED); log in $LOG" | tee -a "$LOG"
 exit $status
