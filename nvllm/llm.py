@@ -19,6 +19,7 @@ from nvllm.common.config import DistConfig, EngineConfig
 from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.transport import ArrayWriter, TransportError
 from nvllm.launch.spawn import WorkerGroup, start_worker_group
 from nvllm.leader.engine import LLMEngine
 
@@ -59,6 +60,14 @@ class LLM:
             raise
         restart = weakref.WeakMethod(self._restart_workers)  # no engine -> LLM cycle
         self.engine.restart_workers = lambda: restart()()
+        self._plan_writer = None
+        if self.config.plan_shm and not self._dist.uses_store:  # every rank is local
+            try:
+                self._plan_writer = ArrayWriter(
+                    "shm", capacity_bytes=self.config.plan_shm_mib << 20, timeout_s=0.0)
+            except TransportError as e:
+                logger.warning("plans travel as lists: %s", e)
+            self.engine.plan_writer = self._plan_writer
 
     def _start_workers(self) -> None:
         self._workers = start_worker_group(self.config, self._dist)
@@ -126,6 +135,9 @@ class LLM:
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
         self._finalizer()
+        if getattr(self, "_plan_writer", None) is not None:  # after the workers stopped
+            self._plan_writer.close()
+            self._plan_writer = None
         atexit.unregister(self._finalizer)
         self._workers = None
 

@@ -108,6 +108,10 @@ class EngineConfig:
     micro_batch_min_tokens: int = 256
     # CUDA: never capture decode steps as CUDA graphs (debugging, or to save the memory).
     enforce_eager: bool = False
+    # Big plans' token ids and block tables through a shared-memory ring (every worker on
+    # the leader's host), the plan carrying references; off: always msgpack lists.
+    plan_shm: bool = True
+    plan_shm_mib: int = 16
     seed: int = 0
     max_queued_requests: int | None = None  # beyond it, submissions are refused at once
     batch_timeout_ms: float = 0.0  # idle engine: wait this long for more arrivals

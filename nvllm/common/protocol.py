@@ -71,8 +71,12 @@ class StepPlan:
     new_seqs: list[NewSeq]
     running: list[RunningSeq]
     finished_ids: list[int]  # finished, aborted or preempted: workers drop their state
+    # Big plans on one host: encoded ArrayRefs (nvllm.common.plan_arrays) holding the new
+    # sequences' token ids and block tables and the running sequences as columns; then
+    # those lists travel empty. None: everything is in the lists.
+    bulk: list | None = None
     KIND: ClassVar[int] = 1
-    SPEC: ClassVar[tuple] = ("int", [NewSeq], [RunningSeq], "ints")
+    SPEC: ClassVar[tuple] = ("int", [NewSeq], [RunningSeq], "ints", "?refs")
 
 
 @dataclass(slots=True)
@@ -153,6 +157,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_ref(r: Any) -> bool:
+    from nvllm.common.transport.refs import ArrayRef, BadRef
+
+    try:
+        ArrayRef.decode(r)
+    except BadRef:
+        return False
+    return True
+
+
 def _dec(spec: Any, v: Any, where: str) -> Any:
     if isinstance(spec, list):
         if not isinstance(v, list):
@@ -172,6 +186,7 @@ def _dec(spec: Any, v: Any, where: str) -> Any:
         # type() is int: a C-speed check per element that also refuses bools.
         "ints": lambda x: type(x) is list and all(type(i) is int for i in x),
         "any": lambda x: True,
+        "?refs": lambda x: x is None or (type(x) is list and all(_is_ref(r) for r in x)),
     }[spec](v)
     if not ok:
         raise ProtocolError(f"{where}: expected {spec}, got {type(v).__name__}")

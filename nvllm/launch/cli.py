@@ -81,6 +81,9 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               help="Smallest step (in tokens) that is cut into micro-batches.")
 @click.option("--enforce-eager", is_flag=True,
               help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")
+@click.option("--plan-shm/--no-plan-shm", default=True,
+              help="Big plans' token ids and block tables through a shared-memory ring "
+                   "(when every worker is on this host) instead of msgpack lists.")
 @click.option("--max-queued-requests", default=None, type=int,
               help="Refuse new requests with 'overloaded' beyond this many waiting.")
 @click.option("--batch-timeout-ms", default=0.0, type=float,
@@ -136,7 +139,7 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
 def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
            max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
            enable_prefix_caching, attention_backend, async_scheduling, micro_batch_overlap,
-           micro_batch_min_tokens, enforce_eager, max_queued_requests,
+           micro_batch_min_tokens, enforce_eager, plan_shm, max_queued_requests,
            batch_timeout_ms,
            client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
            served_model_name, api_key, nnodes, node_rank, nproc_per_node, master_addr,
@@ -187,6 +190,7 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
               attention_backend=attention_backend, async_scheduling=async_scheduling,
               micro_batch_overlap=micro_batch_overlap,
               micro_batch_min_tokens=micro_batch_min_tokens, enforce_eager=enforce_eager,
+              plan_shm=plan_shm,
               max_queued_requests=max_queued_requests,
               batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s,
               heartbeat_timeout_s=heartbeat_timeout, step_timeout_s=step_timeout,

@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nvllm.common import protocol
+from nvllm.common import plan_arrays, protocol
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.outputs import CompletionOutput, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.transport import ArrayWriter
 from nvllm.leader.detokenizer import IncrementalDetokenizer
 from nvllm.leader.executor import WorkerGroupClient
 from nvllm.leader.kv_cache_manager import KVCacheManager
@@ -82,6 +83,7 @@ class InFlight:
     due: set[int]  # sequences that sample a token in this plan
     prompt_tokens: int
     plan_bytes: int
+    generation: int = 0  # of the plan's arrays in the transport ring (0: none)
 
 
 def to_worker_sampling(p: SamplingParams) -> protocol.WorkerSampling:
@@ -106,6 +108,9 @@ class LLMEngine:
         num_blocks = self.num_blocks = self._init_workers()
         # Set by the owner to enable recovery: returns a fresh worker group's client.
         self.restart_workers: Callable[[], WorkerGroupClient] | None = None
+        # Set by the owner when every worker shares this host: big plans' arrays travel
+        # through this shared-memory ring (nvllm.common.plan_arrays).
+        self.plan_writer: ArrayWriter | None = None
         self.restarts_left = config.max_worker_restarts if config.restart_workers else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -311,11 +316,17 @@ class LLMEngine:
                 seq.num_pending += 1
                 due.add(seq.seq_id)
             self.kv.cache_computed_blocks(seq)
+        generation = plan_arrays.pack(plan, self.plan_writer) if self.plan_writer else 0
         plan_bytes = self.workers.broadcast(plan)
-        self._inflight.append(InFlight(plan.step_id, sched, due, prompt_tokens, plan_bytes))
+        self._inflight.append(InFlight(plan.step_id, sched, due, prompt_tokens, plan_bytes,
+                                       generation))
 
     def _complete(self, step: InFlight, out: EngineOutput) -> None:
         result = self._wait_result(step)
+        if step.generation:
+            # Every rank copies a plan's arrays out before the step's first collective,
+            # so rank 0's result means all of them are done with the region.
+            self.plan_writer.acked_all(step.generation)
         num_applied = self._apply_result(step.sched, result, out)
         self.last_step = StepStats(step.step_id, step.sched.num_batched_tokens,
                                    step.plan_bytes, result.worker_time_s)
@@ -429,6 +440,8 @@ class LLMEngine:
                 continue
             # Tokens of plans in flight died with the workers: recompute without them.
             self._inflight.clear()
+            if self.plan_writer is not None:
+                self.plan_writer.reclaim_all()  # the old readers are gone
             for req in self.requests.values():
                 for seq in req.seqs:
                     seq.num_pending = 0

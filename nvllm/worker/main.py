@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from nvllm.common import protocol
+from nvllm.common import plan_arrays, protocol
 from nvllm.common.config import EngineConfig, ModelInfo
 from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
+from nvllm.common.transport import ArrayReader
 from nvllm.common.zmq_utils import make_socket
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
@@ -211,6 +212,7 @@ def run_worker(spec: dict) -> None:
     hb.start()
     step_id = 0
     reader = None
+    arrays = ArrayReader()  # maps the leader's plan ring (read-only) on first use
     try:
         if world > 1:
             init_distributed(spec, backend, config.step_timeout_s)
@@ -233,6 +235,10 @@ def run_worker(spec: dict) -> None:
             elif isinstance(msg, protocol.StepPlan):
                 step_id = msg.step_id
                 try:
+                    try:
+                        plan_arrays.unpack(msg, arrays)  # copies: no view outlives this
+                    except ValueError as e:
+                        raise InvalidPlan(str(e)) from None
                     result = runner.execute(msg)
                 except InvalidPlan as e:  # nothing was touched: say so and carry on
                     logger.error("rank %d: rejecting step %d: %s", rank, step_id, e)
@@ -252,6 +258,7 @@ def run_worker(spec: dict) -> None:
     finally:
         if reader is not None:
             reader.close()
+        arrays.close()
         stop_heartbeats.set()
         hb.join(timeout=2)
         if dist.is_initialized():

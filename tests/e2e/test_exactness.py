@@ -5,6 +5,7 @@ forced preemption, and on a second identical batch served from the prefix cache.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -120,6 +121,29 @@ def test_exact_with_synchronous_scheduling_or_micro_batches(tiny, variant):
     assert_exact(model, first)
     assert_exact(model, second)
     assert llm.stats["preemptions"] > 0 and llm.stats["free_blocks"] == llm.stats["num_blocks"]
+
+
+def test_exact_with_every_plan_by_reference(tiny, monkeypatch):
+    """Plans whose ids travel through the shared-memory ring (normally only big ones,
+    here every one): exact, with preemption, prefix hits, and the ring's regions
+    acknowledged and reused."""
+    from nvllm.common import plan_arrays
+
+    monkeypatch.setattr(plan_arrays, "MIN_BULK_BYTES", 0)
+    model = tiny("qwen2")
+    prompts = [{"prompt_token_ids": list(p)} for p in prompts_for(model)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with LLM(model, device="cpu", dtype="float32", block_size=8, tensor_parallel_size=2,
+             plan_shm_mib=1, **STRESS) as llm:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)
+        writer = llm.engine.plan_writer
+        assert writer.num_shm > 100 and writer.num_inline == 0
+        assert llm.engine.scheduler.num_preemptions > 0
+        name = writer.name
+    assert_exact(model, [o.token_ids for o in first])
+    assert_exact(model, [o.token_ids for o in second])
+    assert not os.path.exists(f"/dev/shm/{name}"), "the plan ring outlived the engine"
 
 
 def test_seeded_sampling_agrees_across_tp_and_scheduling(tiny):
