@@ -99,6 +99,8 @@ class EngineConfig:
     # CPU, torch backend: keep each running sequence's K/V also contiguous (within the
     # cpu_kv_cache_gib budget again), so attention stops re-gathering paged blocks.
     cpu_kv_mirror: bool = True
+    # CPU, float32: linear weights packed in oneDNN's layout (faster at decode sizes).
+    cpu_onednn_linear: bool = True
     # Send plan N+1 before applying plan N's result, so the leader's work overlaps the
     # workers' (outputs are identical either way).
     async_scheduling: bool = True

@@ -15,6 +15,7 @@ from nvllm.common.config import EngineConfig
 from nvllm.kernels.metadata import AttentionMetadata, build_metadata
 from nvllm.kernels.ops import resolve_backend
 from nvllm.worker.cuda_graph import CUDAGraphRunner
+from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models.llama import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
@@ -68,6 +69,8 @@ class ModelRunner:
                                               max(config.max_model_len, 1), self.backend)
         load_weights(self.model, config.model, show_progress=tp.rank == 0)
         self.model.eval()
+        if device.type == "cpu" and config.cpu_onednn_linear:
+            pack_for_cpu(self.model)
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
         self.seqs: dict[int, WorkerSeq] = {}
         self.kv_cache: torch.Tensor | None = None

@@ -361,6 +361,35 @@ def test_linear_layers_world_size_1():
     torch.testing.assert_close(merged(x), torch.cat([x @ gate.T, x @ up.T], -1))
 
 
+def test_onednn_packed_linears_match_dense():
+    """pack_for_cpu moves float32 linear weights (Column, Row, LM head) into oneDNN's
+    layout and frees the dense copy; outputs stay equal to F.linear's up to rounding.
+    The embedding (a lookup, not a matmul) and non-float32 layers are left alone."""
+    tp = TPContext()
+    model = torch.nn.Module()
+    model.col = ColumnParallelLinear(64, 96, True, tp, F32)
+    model.row = RowParallelLinear(96, 64, False, tp, F32)
+    model.head = ParallelLMHead(300, 64, tp, F32)
+    model.emb = VocabParallelEmbedding(300, 64, tp, F32)
+    model.bf16 = ColumnParallelLinear(64, 32, False, tp, torch.bfloat16)
+    for i, m in enumerate(model.children()):
+        for p in m.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen(40 + i)))
+    dense = {n: m.weight.detach().clone() for n, m in model.named_children()}
+    from nvllm.worker.layers.linear import pack_for_cpu
+
+    assert pack_for_cpu(model) == 3
+    assert not hasattr(model.emb, "packed")
+    assert model.col.weight.numel() == 0 and model.bf16.packed is None
+    x = torch.randn(27, 64, generator=gen(50))
+    torch.testing.assert_close(model.col(x), F.linear(x, dense["col"], model.col.bias))
+    h = torch.randn(5, 96, generator=gen(51))
+    torch.testing.assert_close(model.row(h), h @ dense["row"].T)
+    torch.testing.assert_close(model.head(x), x @ dense["head"].T)
+    torch.testing.assert_close(model.emb(torch.tensor([0, 299])), dense["emb"][[0, 299]])
+    assert pack_for_cpu(model) == 0  # already packed
+
+
 @pytest.mark.parametrize("world,heads,kv_heads", [(1, 4, 2), (2, 4, 2), (2, 4, 1), (4, 4, 2),
                                                   (4, 8, 4)])
 def test_qkv_shards_reassemble(world, heads, kv_heads):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvllm.worker.layers.linear import linear
 from nvllm.worker.parallel import TPContext
 
 
@@ -41,7 +42,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed: torch.Tensor | None = None  # see linear.pack_for_cpu
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary float32 logits on rank 0, None on the other ranks."""
-        logits = self.tp.gather_to_first(F.linear(hidden_states, self.weight))
+        logits = self.tp.gather_to_first(linear(hidden_states, self))
         return None if logits is None else logits[:, :self.vocab_size].float()

@@ -14,6 +14,34 @@ from torch import nn
 from nvllm.worker.parallel import TPContext, shard_range
 
 
+def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x W^T (+ bias), through the layer's oneDNN-packed weight when it has one."""
+    packed = layer.packed
+    if packed is None:
+        return F.linear(x, layer.weight, bias)
+    y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+    return y if bias is None else y + bias
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Repack every linear weight of a float32 CPU model in oneDNN's blocked layout and
+    drop the dense copy; returns how many were packed.
+
+    At the batch sizes decode runs (tens of rows) a packed weight is read much faster
+    (measured: the 16384 x 512 LM head at 48 rows, ~1.6x); results differ from
+    F.linear only in the last bits, as F.linear's own do between batch sizes.
+    """
+    n = 0
+    for m in model.modules():
+        if getattr(m, "packed", False) is None and m.weight.dtype == torch.float32 \
+                and m.weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            m.packed = m.weight.detach().to_mkldnn()
+            m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+            n += 1
+    return n
+
+
 def _load(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0) -> None:
     index = [slice(None)] * len(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     index[dim] = slice(start, end)
@@ -34,6 +62,7 @@ class ColumnParallelLinear(nn.Module):
             torch.empty(self.output_size_per_partition, input_size, dtype=dtype),
             requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed: torch.Tensor | None = None  # see pack_for_cpu
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=dtype),
@@ -45,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         _load(param, src, 0, start, end)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -104,6 +133,7 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, self.input_size_per_partition, dtype=dtype),
             requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed: torch.Tensor | None = None  # see pack_for_cpu
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
@@ -115,7 +145,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, before the all-reduce."""
-        return F.linear(x, self.weight)
+        return linear(x, self)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """After the all-reduce: the bias, added once."""
