@@ -23,7 +23,8 @@ class AttentionMetadata:
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
     # Optional (torch backend on CPU): per sequence a contiguous copy of its K/V,
-    # [layers, 2, capacity, kv_heads, head_dim], or None. Attention then appends this
+    # [layers, 2, kv_heads, capacity, head_dim] (head-major: each head's keys are one
+    # contiguous run, which SDPA reads fastest), or None. Attention then appends this
     # step's K/V to it and reads it in place, instead of gathering the paged blocks
     # into a fresh copy in every layer of every step.
     seq_kv: list[torch.Tensor | None] | None = None

@@ -48,18 +48,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if n == 0:
             continue
         buf = meta.seq_kv[i] if meta.seq_kv is not None else None
-        if buf is not None and k_new is not None:
-            buf[layer, 0, ctx - n:ctx] = k_new[s:e]
-            buf[layer, 1, ctx - n:ctx] = v_new[s:e]
-            k, v = buf[layer, 0, :ctx], buf[layer, 1, :ctx]
+        if buf is not None and k_new is not None:  # [layers, 2, kv_heads, cap, d]
+            buf[layer, 0, :, ctx - n:ctx] = k_new[s:e].transpose(0, 1)
+            buf[layer, 1, :, ctx - n:ctx] = v_new[s:e].transpose(0, 1)
+            ki = buf[layer, 0, :, :ctx].unsqueeze(0)  # [1, kv_heads, ctx, d]
+            vi = buf[layer, 1, :, :ctx].unsqueeze(0)
         else:
             nblk = -(-ctx // block_size)
             blocks = meta.block_tables[i, :nblk].long()
             k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
             v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            ki = k.transpose(0, 1).unsqueeze(0)
+            vi = v.transpose(0, 1).unsqueeze(0)
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        ki = k.transpose(0, 1).unsqueeze(0)
-        vi = v.transpose(0, 1).unsqueeze(0)
         # enable_gqa reads each KV head once for its query group instead of materializing
         # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
         gqa = group > 1

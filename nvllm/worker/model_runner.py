@@ -49,7 +49,7 @@ class WorkerSeq:
     num_computed_tokens: int
     block_table: list[int]
     sampling: protocol.WorkerSampling
-    kv: torch.Tensor | None = None  # contiguous K/V copy [layers, 2, cap, kv_heads, d]
+    kv: torch.Tensor | None = None  # contiguous K/V copy [layers, 2, kv_heads, cap, d]
 
 
 class ModelRunner:
@@ -142,9 +142,9 @@ class ModelRunner:
         built from the paged cache if it starts mid-sequence, e.g. after a prefix hit).
         None (gather from the pages) when the budget is spent."""
         kv = seq.kv
-        if kv is not None and kv.shape[2] >= end:
+        if kv is not None and kv.shape[3] >= end:
             return kv
-        cap = max(64, end, 2 * kv.shape[2] if kv is not None else 0)
+        cap = max(64, end, 2 * kv.shape[3] if kv is not None else 0)
         cap = min(cap, max(end, self.config.max_model_len))
         _, layers, _, bs, kvh, d = self.kv_cache.shape
         grow = 2 * layers * cap * kvh * d * self.dtype.itemsize - (0 if kv is None else kv.nbytes)
@@ -154,14 +154,14 @@ class ModelRunner:
                 seq.kv = None
             logger.debug("contiguous K/V budget spent: a sequence reads its pages")
             return None
-        new = torch.empty(layers, 2, cap, kvh, d, dtype=self.dtype, device=self.device)
+        new = torch.empty(layers, 2, kvh, cap, d, dtype=self.dtype, device=self.device)
         done = seq.num_computed_tokens
         if kv is not None:
-            new[:, :, :done] = kv[:, :, :done]
+            new[:, :, :, :done] = kv[:, :, :, :done]
         elif done:
             blocks = torch.tensor(seq.block_table[:-(-done // bs)], device=self.device)
             pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)[:, :, :done]
-            new[:, :, :done] = pages.transpose(0, 1)
+            new[:, :, :, :done] = pages.permute(1, 0, 3, 2, 4)
         logger.debug("contiguous K/V: %s to %d tokens (%d computed)",
                      "grown" if kv is not None else ("built" if done else "new"), cap, done)
         self.mirror_bytes += grow
