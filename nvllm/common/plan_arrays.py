@@ -23,9 +23,11 @@ from nvllm.common.transport import ArrayReader, ArrayWriter, BadRef, RingFull
 
 logger = logging.getLogger(__name__)
 
-# Below this many bytes of ids a plan goes as plain lists: a region and its ack cost
-# more than msgpack does for a small plan (docs/benchmarks.md, "Plan transport").
+# A plan with fewer ids than this and fewer sequences than MIN_BULK_SEQS goes as plain
+# lists: then a region and its ack cost more than msgpack does (measured crossover for
+# decode plans: about 40 sequences; docs/benchmarks.md, "Plan transport").
 MIN_BULK_BYTES = 16 << 10
+MIN_BULK_SEQS = 48
 NUM_ARRAYS = 8
 
 
@@ -39,8 +41,9 @@ def pack(plan: protocol.StepPlan, writer: ArrayWriter) -> int:
     Returns the region's generation to acknowledge, or 0 if the plan stays as lists
     (small, or the ring is full: acknowledgements are not arriving)."""
     size = bulk_bytes(plan)
-    # Too big for half the ring (two plans are in flight with async scheduling): lists.
-    if size < MIN_BULK_BYTES or size > writer.capacity // 2:
+    if size < MIN_BULK_BYTES and len(plan.new_seqs) + len(plan.running) < MIN_BULK_SEQS:
+        return 0
+    if size > writer.capacity // 2:  # two plans are in flight with async scheduling
         return 0
     new, run = plan.new_seqs, plan.running
     columns = [[s.token_ids for s in new], [s.block_table for s in new],

@@ -54,10 +54,19 @@ def test_round_trip_through_the_ring(ring):
 
 
 def test_small_plans_stay_lists(ring):
-    w, _ = ring
+    w, r = ring
     plan = make_plan(1, num_new=1, num_run=8, prompt=20)
     want = copy.deepcopy(plan)
     assert plan_arrays.pack(plan, w) == 0 and plan == want
+    # Many sequences go by reference even when their ids are few (per-record msgpack
+    # work is what a big decode plan costs).
+    decode = make_plan(2, num_new=0, num_run=plan_arrays.MIN_BULK_SEQS, prompt=20)
+    want = copy.deepcopy(decode)
+    assert plan_arrays.bulk_bytes(decode) < plan_arrays.MIN_BULK_BYTES
+    assert plan_arrays.pack(decode, w) > 0
+    sent = wire(decode)
+    plan_arrays.unpack(sent, r)
+    assert sent == want
 
 
 def test_full_ring_and_oversized_plans_stay_lists(ring, caplog):
