@@ -43,20 +43,14 @@ def nvllm_run(model: str, args, eager: bool) -> dict:
 def hf_run(model: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from nvllm.launch.bench import RANGE, make_workload
+    from nvllm.launch.bench import RANGE, left_padded, make_workload
 
     # The same requests nvllm-bench made (same ranges, seed 0).
     wl = make_workload(args.num_seqs, RANGE.convert(args.input_len, None, None),
                        RANGE.convert(args.output_len, None, None), QWEN3_06B["vocab_size"], 0)
     prompts, outs = wl.prompts[:args.hf_seqs], wl.output_lens[:args.hf_seqs]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask = (t.cuda() for t in left_padded(prompts))
     with torch.no_grad():
         hf.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4,
                     do_sample=False, pad_token_id=0)  # warm-up

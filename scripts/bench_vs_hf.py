@@ -50,6 +50,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from nvllm import LLM, SamplingParams
+    from nvllm.launch.bench import left_padded
     from nvllm.launch.tiny import make_tiny_checkpoint
 
     # A Qwen3-shaped checkpoint of ~42M parameters.
@@ -89,12 +90,7 @@ def main() -> None:
         return
 
     # HF static generate: one left-padded batch, every row runs to the longest output.
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
     with torch.no_grad():
         t0 = time.perf_counter()
         hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs),

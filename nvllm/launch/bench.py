@@ -67,6 +67,20 @@ def make_workload(num: int, input_len: tuple[int, int], output_len: tuple[int, i
     return Workload([[rng.randrange(vocab_size) for _ in range(n)] for n in in_lens], out_lens)
 
 
+def left_padded(prompts: list[list[int]]):
+    """(input_ids, attention_mask): the prompts as one left-padded batch, as HF static
+    generate takes them (the peer run of the comparison scripts)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 def _greedy(max_tokens: int) -> dict:
     return {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
 
