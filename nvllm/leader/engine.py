@@ -258,8 +258,10 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or a plan still in flight whose result must be taken."""
-        return self.scheduler.num_unfinished > 0 or bool(self._inflight)
+        """Requests to run, a plan still in flight whose result must be taken, or
+        finished sequences the workers still hold (one more step lets them go)."""
+        return (self.scheduler.num_unfinished > 0 or bool(self._inflight)
+                or bool(self._pending_drops))
 
     # ---- the step -------------------------------------------------------------------
 
@@ -279,7 +281,9 @@ class LLMEngine:
         # Preempted sequences leave the workers with the next plan, whichever it is.
         self._pending_drops.extend(s.seq_id for s in sched.preempted)
         try:
-            if not sched.is_empty:
+            if not sched.is_empty or (self._pending_drops and not self._inflight):
+                # (An empty schedule with drops: the workers free those sequences' state,
+                # their CPU K/V copies included, now rather than at the next request.)
                 self._dispatch(sched)
             elif not self._inflight:
                 if self.scheduler.num_unfinished and not out.deltas and not sched.preempted:

@@ -95,13 +95,18 @@ def test_plans_go_out_before_the_previous_result_is_applied(make_engine, tokeniz
     engine, workers = make_engine(async_scheduling=True)
     engine.add_request(prompt_token_ids=prompt_ids(0, 5),
                        params=SamplingParams(max_tokens=8, ignore_eos=True))
+    req = engine.requests[next(iter(engine.requests))]
     run(engine)
+    # 1 prefill + 7 decodes (the last token is never fed back, so no wasted plan), then
+    # a plan with no work that lets the workers drop the finished sequence.
+    *compute, last = workers.plans
+    assert len(compute) == 8 and all(p.new_seqs or p.running for p in compute)
+    assert not (last.new_seqs or last.running) and last.finished_ids == [req.seqs[0].seq_id]
+    assert not workers.seqs
     # Plan k (1-based) went out with k-2 results received: one plan always in flight.
     # (The first receives are the two ready messages at start-up.)
-    got = [n - 2 for n in workers.recvs_before_plan]
-    assert got == [max(0, k - 1) for k in range(len(got))]
-    # 1 prefill + 7 decodes: the last token is never fed back, so no wasted plan.
-    assert len(workers.plans) == 8
+    got = [n - 2 for n in workers.recvs_before_plan[:8]]
+    assert got == [max(0, k - 1) for k in range(8)]
 
 
 def test_no_token_is_computed_past_max_tokens(make_engine, tokenizer):
@@ -130,13 +135,10 @@ def test_eos_costs_one_discarded_decode_and_no_extra_token(make_engine, tokenize
     assert res.token_ids == [300, 300, 300, eos] and res.finish_reason == "stop"
     sid = req.seqs[0].seq_id
     # The plan after the one that sampled EOS was already out and computed one more
-    # token; the next plan drops the sequence.
+    # token; the next plan (with no work left) drops the sequence.
     assert sum(in_plan(p, sid) for p in workers.plans) == 5
     assert metric(engine, "nvllm:generation_tokens_total") == 4
-    num_plans = len(workers.plans)
-    engine.add_request(prompt_token_ids=prompt_ids(40, 3), params=SamplingParams(max_tokens=2))
-    run(engine)
-    assert sid in workers.plans[num_plans].finished_ids and sid not in workers.seqs
+    assert workers.plans[-1].finished_ids == [sid] and sid not in workers.seqs
 
 
 def test_abort_with_a_token_in_flight(make_engine, tokenizer):
