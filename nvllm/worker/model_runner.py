@@ -127,8 +127,7 @@ class ModelRunner:
     def capture_graphs(self, graph_factory=None) -> None:
         """Capture the decode graphs (after the KV cache exists: they address it)."""
         self.graphs = CUDAGraphRunner(
-            lambda ids, pos, meta: self.tp.run([self.model.stages(ids, pos, meta)])[0],
-            self.graph_batch_size, -(-self.config.max_model_len // self.block_size),
+            self.model, self.graph_batch_size, -(-self.config.max_model_len // self.block_size),
             self.block_size, self.device, graph_factory)
         self.graphs.capture()
 

@@ -123,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, max_position: int,
                  attention_backend: str = "torch") -> None:
         super().__init__()
+        self.tp = tp
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = compute_inv_freq(cfg, head_dim)
@@ -152,7 +153,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.embed_tokens.tp.run([self.stages(input_ids, positions, meta)])[0]
+        """One synchronous pass (the decode graphs capture this)."""
+        return self.tp.run([self.stages(input_ids, positions, meta)])[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)
