@@ -101,6 +101,9 @@ class EngineConfig:
     cpu_kv_mirror: bool = True
     # CPU, float32: linear weights packed in oneDNN's layout (faster at decode sizes).
     cpu_onednn_linear: bool = True
+    # CPU: glibc malloc keeps freed memory mapped, so each step's activations reuse
+    # pages instead of faulting in fresh ones (nvllm/worker/cpu_malloc.py).
+    cpu_malloc_reuse: bool = True
     # Send plan N+1 before applying plan N's result, so the leader's work overlaps the
     # workers' (outputs are identical either way).
     async_scheduling: bool = True

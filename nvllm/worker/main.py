@@ -37,6 +37,7 @@ from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.transport import ArrayReader
 from nvllm.common.zmq_utils import make_socket
+from nvllm.worker.cpu_malloc import keep_freed_memory
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 
@@ -193,6 +194,8 @@ def run_worker(spec: dict) -> None:
         device = torch.device("cpu")
         backend = "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.get("local_world_size", world)))
+        if config.cpu_malloc_reuse:
+            keep_freed_memory()
     torch.manual_seed(config.seed)
 
     ctx = zmq.Context()

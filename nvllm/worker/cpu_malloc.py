@@ -1,0 +1,38 @@
+"""glibc malloc settings for CPU workers: keep freed activation memory for reuse.
+
+By default glibc serves every allocation above its mmap threshold (128 KiB, raised
+dynamically up to 32 MiB) with a fresh mmap and returns it on free, so each step's
+activations are new pages that fault in and get zeroed by the kernel: a 2,048-token
+prefill of the benchmark model took ~100,000 page faults and ~13% longer. Serving them
+from the heap and not trimming it keeps the pages mapped from one step to the next.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # <malloc.h>
+ENV_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30,
+                      top_pad: int = 64 << 20) -> bool:
+    """Apply the settings to this process; False where they do not apply (not glibc,
+    or the user set glibc's MALLOC_* variables, which then win)."""
+    if any(k in os.environ for k in ENV_KEYS):
+        logger.debug("malloc left as the MALLOC_* environment variables set it")
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = (mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
+          and mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+          and mallopt(M_TOP_PAD, top_pad) == 1)
+    logger.debug("malloc keeps freed memory: %s", ok)
+    return ok
