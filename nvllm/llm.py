@@ -18,6 +18,7 @@ from tqdm import tqdm
 from nvllm.common.config import DistConfig, EngineConfig
 from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
+from nvllm.common.proc import DeferredInterrupt
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.transport import ArrayWriter, TransportError
 from nvllm.launch.spawn import WorkerGroup, start_worker_group
@@ -122,11 +123,23 @@ class LLM:
                 logger.warning("request rejected: %s", e)
                 results[rid] = RequestOutput(rid, text, list(ids or []), [], error=str(e))
         pending = sum(1 for rid in order if rid not in results)
-        with tqdm(total=pending, desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step().finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+        interrupt = DeferredInterrupt()
+        try:
+            with interrupt, tqdm(total=pending, desc="Generating", unit="req",
+                                 disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step(interrupt.is_pending).finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                    interrupt.check()
+        except KeyboardInterrupt:
+            # Ctrl-C lands between steps (or in a wait, before a result is taken), so the
+            # engine is consistent: end this call's requests, freeing their KV blocks, and
+            # the next call starts clean.
+            for rid in order:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+            raise
         return [results[rid] for rid in order]
 
     def shutdown(self) -> None:

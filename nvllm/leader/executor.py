@@ -25,6 +25,7 @@ from nvllm.common.zmq_utils import bind_random, curve_server, curve_server_keys,
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
+CANCEL_POLL_MS = 20  # how soon a deferred Ctrl-C is noticed while waiting
 # Leader and worker frames are small; anything bigger than this is hostile or broken.
 MAX_WORKER_FRAME_BYTES = 256 << 20
 
@@ -178,12 +179,15 @@ class WorkerGroupClient:
             sock.send(data, copy=False)
         return len(data)
 
-    def recv(self, timeout_s: float) -> Any:
-        """Next message from any worker; raises EngineDeadError on death or timeout."""
+    def recv(self, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> Any:
+        """Next message from any worker; raises EngineDeadError on death or timeout, and
+        KeyboardInterrupt, before taking a message, once `cancelled()` is true."""
         self._check_dead()
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.result_sock.poll(POLL_MS):
+            if cancelled is not None and cancelled():
+                raise KeyboardInterrupt
+            if self.result_sock.poll(POLL_MS if cancelled is None else CANCEL_POLL_MS):
                 data = self.result_sock.recv()
                 try:
                     msg = protocol.decode(data)

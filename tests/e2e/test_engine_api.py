@@ -318,10 +318,10 @@ def test_a_forged_result_for_the_current_step_is_dropped(llm, monkeypatch):
     # Each forged result is dropped; the real one (held back once) is used instead.
     held: list = []
 
-    def forging_recv(timeout_s):
+    def forging_recv(timeout_s, cancelled=None):
         if held:
             return held.pop()
-        msg = real_recv(timeout_s)
+        msg = real_recv(timeout_s, cancelled)
         if isinstance(msg, protocol.StepResult) and len(forged) < 2:
             bad = (protocol.StepResult(msg.step_id, msg.seq_ids, [10**6] * len(msg.seq_ids),
                                        None, 0.0) if not forged else
@@ -336,3 +336,29 @@ def test_a_forged_result_for_the_current_step_is_dropped(llm, monkeypatch):
     after = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
     assert len(forged) == 2 and after == before
     assert_no_blocks_held(llm)
+
+
+def test_ctrl_c_in_generate_leaves_the_engine_clean(llm):
+    """Ctrl-C during generate raises KeyboardInterrupt between steps (or in a wait, before
+    a result is taken): the call's requests end and free their blocks, nothing stays in
+    flight half-applied, and the next call gives exactly the uninterrupted output."""
+    import threading
+
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24]]
+    p = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    t0 = time.perf_counter()
+    want = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    took = time.perf_counter() - t0
+    for fraction in (0.2, 0.6):
+        timer = threading.Timer(fraction * took, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompts, p, use_tqdm=False)
+        finally:
+            timer.join()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert not llm.engine.requests
+        got = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        assert got == want
+        assert_no_blocks_held(llm)

@@ -41,8 +41,8 @@ def workload(engine) -> None:
                            priority=i % 2)
 
 
-def observe(engine, workers) -> dict:
-    outs = run(engine)
+def observe(engine, workers, interrupt_at: set[int] = frozenset()) -> dict:
+    outs = run(engine, interrupt_at=interrupt_at)
     seen = {}
     for rid in sorted({r.request_id for o in outs for r in o.finished}):
         res = finished_of(outs, rid)
@@ -161,3 +161,22 @@ def test_abort_with_a_token_in_flight(make_engine, tokenizer):
     assert any(seq.seq_id in p.finished_ids for p in workers.plans)
     assert len(finished_of(later, other.request_id).token_ids) == 20
     assert engine.kv.num_free_blocks == NUM_BLOCKS
+
+
+def test_an_interrupted_wait_changes_nothing(make_engine, tokenizer):
+    """Ctrl-C while waiting for a result (LLM.generate cancels the wait) leaves the plan
+    in flight with its result unread; stepping on gives exactly the uninterrupted run,
+    wherever the interruptions fall, synchronous or async, under chunking and
+    preemption."""
+    eos = tokenizer.eos_token_id
+    for kw in ({}, STRESS):
+        for mode in (False, True):
+            engine, workers = make_engine(hashed_choice(eos), async_scheduling=mode, **kw)
+            workload(engine)
+            want = observe(engine, workers)
+            for every in (2, 3, 7):
+                engine, workers = make_engine(hashed_choice(eos), async_scheduling=mode,
+                                              **kw)
+                workload(engine)
+                got = observe(engine, workers, interrupt_at=set(range(0, 500, every)))
+                assert got == want, (kw, mode, every)

@@ -63,7 +63,9 @@ class FakeWorkers:
             self.other.append(msg)
         return len(data)
 
-    def recv(self, timeout_s: float):
+    def recv(self, timeout_s: float, cancelled=None):
+        if cancelled is not None and cancelled():  # as the real client: before taking one
+            raise KeyboardInterrupt
         self.num_recvs += 1
         return self.inbox.popleft()
 
@@ -100,11 +102,23 @@ def prompt_ids(start: int, n: int) -> list[int]:
     return list(range(100 + start, 100 + start + n))
 
 
-def run(engine: LLMEngine, max_steps: int = 500) -> list:
+def run(engine: LLMEngine, max_steps: int = 500, interrupt_at: set[int] = frozenset()
+        ) -> list:
+    """Step until done; at the step numbers in interrupt_at, first a step whose wait for
+    a result is cancelled at once (as Ctrl-C in LLM.generate), if it waits at all."""
     outs = []
+    n = 0
     while engine.has_unfinished_requests():
-        assert len(outs) < max_steps
+        assert n < max_steps
+        if n in interrupt_at:
+            try:
+                outs.append(engine.step(lambda: True))
+            except KeyboardInterrupt:
+                pass
+            n += 1
+            continue
         outs.append(engine.step())
+        n += 1
     return outs
 
 
