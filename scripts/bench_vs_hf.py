@@ -20,6 +20,11 @@ import time
 
 import torch
 
+# A Qwen3-shaped checkpoint of ~42M parameters (also scripts/bench_steps.py's).
+SHAPE = dict(arch="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536,
+             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=64, max_position_embeddings=2048)
+
 
 def probe_gflops(hidden: int, inter: int, tokens: int, dtype: torch.dtype) -> float:
     a = torch.randn(tokens, hidden, dtype=dtype)
@@ -57,10 +62,7 @@ def main() -> None:
     # The HF peer runs in this process: give it the malloc settings nvllm's workers use,
     # or its speed depends on how glibc's heap happens to adapt (±40% between runs).
     keep_freed_memory()
-    # A Qwen3-shaped checkpoint of ~42M parameters.
-    shape = dict(arch="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536,
-                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                 head_dim=64, max_position_embeddings=2048)
+    shape = SHAPE
     model_dir = make_tiny_checkpoint(tempfile.mkdtemp(prefix="nvllm-bench-"), **shape)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 16384) for _ in range(rng.randint(*args.input))]
