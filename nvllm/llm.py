@@ -110,32 +110,35 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling "
                                  "params: give one, or one per prompt")
+        split = [_split_prompt(p) for p in prompts]  # a malformed prompt: before any is added
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, params in zip(prompts, params_list):
-            text, ids = _split_prompt(prompt)
-            try:
-                req = self.engine.add_request(text, params, prompt_token_ids=ids)
-                order.append(req.request_id)
-            except RequestRejected as e:
-                rid = f"rejected-{len(order)}"
-                order.append(rid)
-                logger.warning("request rejected: %s", e)
-                results[rid] = RequestOutput(rid, text, list(ids or []), [], error=str(e))
-        pending = sum(1 for rid in order if rid not in results)
         interrupt = DeferredInterrupt()
         try:
-            with interrupt, tqdm(total=pending, desc="Generating", unit="req",
-                                 disable=not use_tqdm) as bar:
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step(interrupt.is_pending).finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            with interrupt:
+                for (text, ids), params in zip(split, params_list):
+                    try:
+                        req = self.engine.add_request(text, params, prompt_token_ids=ids)
+                        order.append(req.request_id)
+                    except RequestRejected as e:
+                        rid = f"rejected-{len(order)}"
+                        order.append(rid)
+                        logger.warning("request rejected: %s", e)
+                        results[rid] = RequestOutput(rid, text, list(ids or []), [],
+                                                     error=str(e))
                     interrupt.check()
-        except KeyboardInterrupt:
+                pending = sum(1 for rid in order if rid not in results)
+                with tqdm(total=pending, desc="Generating", unit="req",
+                          disable=not use_tqdm) as bar:
+                    while self.engine.has_unfinished_requests():
+                        for out in self.engine.step(interrupt.is_pending).finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+                        interrupt.check()
+        except BaseException:
             # Ctrl-C lands between steps (or in a wait, before a result is taken), so the
             # engine is consistent: end this call's requests, freeing their KV blocks, and
-            # the next call starts clean.
+            # the next call starts clean (so too after any other error on the way).
             for rid in order:
                 if rid not in results:
                     self.engine.abort_request(rid)

@@ -78,6 +78,19 @@ def test_rejections_name_the_limit_and_the_rest_proceed(llm):
     assert_no_blocks_held(llm)
 
 
+def test_a_malformed_prompt_adds_nothing(llm):
+    """A prompt of the wrong type in the middle of a batch is a TypeError that leaves no
+    request behind (none of the batch was added), so the next call is unaffected."""
+    with pytest.raises(TypeError, match="unsupported prompt type"):
+        llm.generate(["Hello", [5, 6, 7], 42, "World"], SamplingParams(max_tokens=4),
+                     use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="needs 'prompt' or 'prompt_token_ids'"):
+        llm.generate([[5, 6, 7], {"text": "x"}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.requests
+    assert_no_blocks_held(llm)
+
+
 def test_request_larger_than_kv_cache_is_rejected(tiny):
     with LLM(tiny("qwen3"), device="cpu", dtype="float32", block_size=8,
              num_kv_blocks=4) as small:
