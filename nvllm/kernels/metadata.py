@@ -22,15 +22,12 @@ class AttentionMetadata:
     # Host copies, so loops over sequences need no device syncs.
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
-    # Optional (torch backend on CPU): per sequence a contiguous copy of its K/V,
-    # [layers, 2, kv_heads, capacity, head_dim] (head-major: each head's keys are one
-    # contiguous run, which SDPA reads fastest), or None. Attention then appends this
-    # step's K/V to it and reads it in place, instead of gathering the paged blocks
+    # Optional (torch backend on CPU): views into each sequence's contiguous copy of its
+    # K/V, [layers, 2, kv_heads, capacity, head_dim] (head-major: each head's keys are one
+    # contiguous run, which SDPA reads fastest); see mirror_views. Attention then appends
+    # this step's K/V to it and reads it in place, instead of gathering the paged blocks
     # into a fresh copy in every layer of every step.
-    seq_kv: list[torch.Tensor | None] | None = None
-    # Views into seq_kv for every layer, made once a step (see mirror_views): slicing each
-    # sequence's copy again in every layer cost a third of decode attention's time.
-    seq_kv_views: MirrorViews | None = None
+    seq_kv: MirrorViews | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -52,7 +49,8 @@ class MirrorViews:
 
 def mirror_views(seq_kv: list[torch.Tensor | None], query_lens: list[int],
                  context_lens: list[int]) -> MirrorViews:
-    """The views of one step (copies are ``[layers, 2, kv_heads, cap, d]``)."""
+    """The views of one step into each sequence's copy (or None), made once: slicing
+    each copy again in every layer cost a third of decode attention's time."""
     dst: list[tuple[torch.Tensor, ...] | None] = []
     keys: list[tuple[torch.Tensor, ...] | None] = []
     values: list[tuple[torch.Tensor, ...] | None] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nvllm.kernels.metadata import AttentionMetadata, mirror_views
+from nvllm.kernels.metadata import AttentionMetadata
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -33,25 +33,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q: [T, heads, d]; query token j of a run of n tokens for a sequence whose context
     is L tokens sits at position L - n + j and sees keys 0..L - n + j. GQA: query head h
-    reads KV head h // (heads // kv_heads). A sequence with a contiguous copy in
-    meta.seq_kv gets this step's K/V (k_new, v_new: [T, kv_heads, d]) appended to it at
-    `layer` and is read from it; the values are the same as the paged blocks'.
+    reads KV head h // (heads // kv_heads). A sequence with a contiguous copy (views in
+    meta.seq_kv, see mirror_views) gets this step's K/V (k_new, v_new: [T, kv_heads, d])
+    appended to it at `layer` and is read from it; the values are the same as the paged
+    blocks'.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     gqa = num_heads > num_kv_heads
     cu = meta.cu_seqlens_q_host
     lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
-    views = None
-    if meta.seq_kv is not None and k_new is not None:
-        views = meta.seq_kv_views
-        if views is None:
-            views = meta.seq_kv_views = mirror_views(meta.seq_kv, lens, meta.seq_lens_host)
-        if views.with_copy:
-            # One call writes this layer's K/V into every sequence's copy.
-            src = torch.stack((k_new, v_new), 1).permute(1, 2, 0, 3).split(lens, dim=2)
-            torch._foreach_copy_([views.dst[i][layer] for i in views.with_copy],
-                                 [src[i] for i in views.with_copy])
+    views = meta.seq_kv if k_new is not None else None
+    if views is not None and views.with_copy:
+        # One call writes this layer's K/V into every sequence's copy.
+        src = torch.stack((k_new, v_new), 1).permute(1, 2, 0, 3).split(lens, dim=2)
+        torch._foreach_copy_([views.dst[i][layer] for i in views.with_copy],
+                             [src[i] for i in views.with_copy])
     # Each sequence's queries as one [1, H, n, d] view, split from one transpose.
     qs = q.transpose(0, 1).unsqueeze(0).split(lens, dim=2)
     outs = []

@@ -12,7 +12,7 @@ import torch
 
 from nvllm.common import protocol
 from nvllm.common.config import EngineConfig
-from nvllm.kernels.metadata import AttentionMetadata, build_metadata
+from nvllm.kernels.metadata import AttentionMetadata, build_metadata, mirror_views
 from nvllm.kernels.ops import resolve_backend
 from nvllm.worker.cuda_graph import CUDAGraphRunner
 from nvllm.worker.layers.linear import pack_for_cpu
@@ -265,8 +265,9 @@ class ModelRunner:
                                              [s.block_table for _, s, _ in batch[a:b]], bs,
                                              self.device)
             if self.mirror:
-                meta.seq_kv = [self._mirror_for(seq, seq.num_computed_tokens + n)
-                               for _, seq, n in batch[a:b]]
+                meta.seq_kv = mirror_views(
+                    [self._mirror_for(seq, seq.num_computed_tokens + n)
+                     for _, seq, n in batch[a:b]], query_lens[a:b], context_lens[a:b])
             num = sum(query_lens[a:b])
             ids = torch.tensor(input_ids[tok:tok + num], dtype=torch.long, device=self.device)
             micro.append((ids, positions, meta))
