@@ -1,4 +1,11 @@
-"""What a finished (or failed) request returns to the user."""
+"""What the engine returns: per-step deltas, and whole requests once they finish.
+
+One delta type travels every hop: the engine's output processor makes ``CompletionDelta``s,
+the ZMQ server sends them as ``output`` messages (nvllm/common/client_protocol.py), and
+``Client``/``AsyncClient`` hand the same type back to the caller. ``CompletionAccumulator``
+and ``RequestAccumulator`` are the one way deltas are summed up (the server's
+non-streaming replies, the clients' ``generate``, the HTTP gateway's responses).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error"
     logprobs: list | None = None  # per token: {token_id: logprob} (sampled + top-N)
 
 
@@ -40,3 +47,76 @@ class RequestOutput:
         if self.error is not None:
             return "error"
         return self.outputs[0].finish_reason if self.outputs else None
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one step added to one completion: only the new tokens and text.
+
+    ``finish_reason`` is set on the completion's last delta, which also carries ``usage``
+    (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None  # one {token_id: logprob} map per new token, or None
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+@dataclass(slots=True)
+class CompletionAccumulator:
+    """One completion's output so far, summed from its deltas in order."""
+
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+    def add(self, d: CompletionDelta) -> None:
+        self.token_ids.extend(d.token_ids)
+        self.text += d.text
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.usage = d.usage or {}
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_delta(self, request_id: str) -> CompletionDelta:
+        """Everything as one delta (a non-streaming reply)."""
+        return CompletionDelta(request_id, self.index, self.token_ids, self.text,
+                               self.logprobs or None, self.finish_reason, self.usage)
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.token_ids, self.text, self.finish_reason,
+                                self.logprobs or None)
+
+
+class RequestAccumulator:
+    """The n completions of one request, summed from their deltas."""
+
+    def __init__(self, n: int, prompt: str | None = None) -> None:
+        self.prompt = prompt
+        self.completions = [CompletionAccumulator(i) for i in range(n)]
+
+    def add(self, d: CompletionDelta) -> None:
+        if 0 <= d.index < len(self.completions):
+            self.completions[d.index].add(d)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def to_output(self, request_id: str, prompt_token_ids: list[int] | None = None
+                  ) -> RequestOutput:
+        usage = self.completions[0].usage or {}
+        return RequestOutput(request_id, self.prompt, list(prompt_token_ids or []),
+                             [c.to_output() for c in self.completions], finished=True,
+                             num_cached_tokens=usage.get("cached_tokens", 0))

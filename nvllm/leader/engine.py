@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from nvllm.common import plan_arrays, protocol
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
-from nvllm.common.outputs import CompletionOutput, RequestOutput
+from nvllm.common.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.transport import ArrayWriter
 from nvllm.leader.detokenizer import IncrementalDetokenizer
@@ -44,19 +44,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-
-@dataclass(slots=True)
-class CompletionDelta:
-    """What one step added to one completion: only the new tokens and text."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list | None
-    finish_reason: str | None
-    usage: dict | None = None  # on the last delta of a completion
 
 
 @dataclass(slots=True)

@@ -19,24 +19,21 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import zmq
 
+from nvllm.common import client_protocol as cp
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
-from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.outputs import CompletionAccumulator, CompletionDelta
 from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
-from nvllm.leader.engine import CompletionDelta, LLMEngine
+from nvllm.leader.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 # Default frame limit (on the wire: CURVE adds 33 bytes per frame); a 1M-token prompt is
 # ~5 MiB of msgpack.
 MAX_FRAME_BYTES = 64 << 20
 MIN_FRAME_BYTES = 1024
 IDLE_POLL_MS = 100
-# Error codes that mean a malformed or hostile frame (not a request the engine refused).
-_HOSTILE_CODES = frozenset({"bad_frame", "bad_op", "bad_version", "invalid_request"})
 _LOG_PER_S = 10
 
 
@@ -46,8 +43,8 @@ class _Owner:
     client_rid: Any
     stream: bool
     remaining: int  # completions that have not sent their final message yet
-    # Non-streaming requests: deltas gathered per completion until it finishes.
-    pending: dict[int, dict] = field(default_factory=dict)
+    # Non-streaming requests: each completion's deltas, summed until it finishes.
+    pending: dict[int, CompletionAccumulator] = field(default_factory=dict)
 
 
 class EngineServer:
@@ -89,10 +86,9 @@ class EngineServer:
 
     # ---- sending -----------------------------------------------------------------------
 
-    def _send(self, client: bytes, msg: dict) -> None:
+    def _send(self, client: bytes, msg: Any) -> None:
         try:
-            self.sock.send_multipart([client, msgpack.packb(msg, use_bin_type=True)],
-                                     flags=zmq.NOBLOCK)
+            self.sock.send_multipart([client, cp.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.Again:  # a client that stopped reading loses messages, not the server
             logger.warning("dropping a message to a client that does not read")
 
@@ -107,9 +103,9 @@ class EngineServer:
             self._log_window = [now, 0]
         self._log_window[1] += 1
         if self._log_window[1] <= _LOG_PER_S:
-            logger.log(logging.WARNING if code in _HOSTILE_CODES else logging.INFO,
+            logger.log(logging.WARNING if code in cp.HOSTILE_CODES else logging.INFO,
                        "client %s: %s: %s", client.hex()[:10], code, message[:200])
-        self._send(client, {"op": "error", "id": rid, "code": code, "message": message})
+        self._send(client, cp.Error(rid, code, message))
 
     # ---- receiving ---------------------------------------------------------------------
 
@@ -117,88 +113,52 @@ class EngineServer:
         client, payload = frames[0], frames[-1]
         self._last_seen[client] = time.monotonic()
         try:
-            msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        except Exception as e:  # msgpack raises several unrelated types on garbage
-            return self._error(client, None, "bad_frame", f"not a msgpack frame: {e}")
-        if not isinstance(msg, dict):
-            return self._error(client, None, "bad_frame", "a message must be a msgpack map")
-        rid = msg.get("id")
-        if not isinstance(rid, (str, int, type(None))) or isinstance(rid, bool):
-            return self._error(client, None, "invalid_request", "id must be a string or int")
-        if msg.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            return self._error(client, rid, "bad_version",
-                               f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}")
-        op = msg.get("op")
-        if op == "ping":
-            return self._send(client, {"op": "pong"})
-        if op == "submit":
-            return self._submit(client, rid, msg)
-        if op == "abort":
-            ours = self._by_client[client].get(rid)
+            msg = cp.decode_client_frame(payload)
+        except cp.ClientProtocolError as e:
+            return self._error(client, e.request_id, e.code, e.message)
+        if isinstance(msg, cp.Ping):
+            return self._send(client, cp.Pong())
+        if isinstance(msg, cp.Submit):
+            return self._submit(client, msg)
+        if isinstance(msg, cp.Abort):
+            ours = self._by_client[client].get(msg.id)
             if ours is not None:
                 self._emit(self.engine.abort_request(ours).deltas)
             return None
-        if op == "info":
+        if isinstance(msg, cp.InfoRequest):
             e = self.engine
-            return self._send(client, {
-                "op": "info", "v": PROTOCOL_VERSION, "model": self.model_name,
-                "model_path": e.config.model,
-                "max_model_len": e.config.max_model_len, "vocab_size": e.vocab_size,
-                "kv_capacity_tokens": e.capacity_tokens, "block_size": e.config.block_size,
-                "tensor_parallel_size": e.config.tensor_parallel_size,
-                "ready": self.dead is None})
-        if op == "health":
+            return self._send(client, cp.Info(
+                cp.PROTOCOL_VERSION, self.model_name, e.config.model, e.config.max_model_len,
+                e.vocab_size, e.capacity_tokens, e.config.block_size,
+                e.config.tensor_parallel_size, self.dead is None))
+        if isinstance(msg, cp.HealthRequest):
             ready = self.dead is None and not self.draining
-            return self._send(client, {"op": "health", "ready": ready,
-                                       "reason": self.dead or ("shutting down" if self.draining
-                                                               else None)})
-        if op == "metrics":
-            return self._send(client, {"op": "metrics", "text": self.engine.metrics.exposition()})
-        return self._error(client, rid, "bad_op", f"unknown op {op!r}")
+            return self._send(client, cp.Health(ready, self.dead or (
+                "shutting down" if self.draining else None)))
+        if isinstance(msg, cp.MetricsRequest):
+            return self._send(client, cp.Metrics(self.engine.metrics.exposition()))
+        raise AssertionError(f"unhandled client message {type(msg).__name__}")
 
-    def _submit(self, client: bytes, rid: Any, msg: dict) -> None:
-        if rid is None:
-            return self._error(client, None, "invalid_request", "submit needs an 'id'")
+    def _submit(self, client: bytes, msg: cp.Submit) -> None:
+        rid = msg.id
         if self.dead is not None:
             return self._error(client, rid, "engine_unavailable", self.dead)
         if self.draining:
             return self._error(client, rid, "engine_unavailable", "the engine is shutting down")
         if rid in self._by_client[client]:
             return self._error(client, rid, "duplicate_id",
-                               f"request id {rid!r} is already in flight on this connection")
+                               "this request id is already in flight on this connection")
+        internal = f"srv-{next(self._ids)}"
         try:
-            raw = msg.get("params") or {}
-            if not isinstance(raw, dict):
-                raise ValueError("'params' must be a map")
-            params = SamplingParams.from_dict(raw)
-            prompt, ids = msg.get("prompt"), msg.get("prompt_token_ids")
-            if (prompt is None) == (ids is None):
-                raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
-            if prompt is not None and not isinstance(prompt, str):
-                raise ValueError("'prompt' must be a string")
-            # Field types are checked here so that a wrong type is `invalid_request`, not a
-            # misleading `rejected` from the engine (or, for stream, silently truthy).
-            if ids is not None and not isinstance(ids, list):
-                raise ValueError("'prompt_token_ids' must be a list of integers")
-            stream, priority, ttl_ms = (msg.get("stream", True), msg.get("priority") or 0,
-                                        msg.get("ttl_ms"))
-            if not isinstance(stream, bool):
-                raise ValueError("'stream' must be a bool")
-            if not isinstance(priority, int) or isinstance(priority, bool):
-                raise ValueError("'priority' must be an integer")
-            if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
-                                       or isinstance(ttl_ms, bool)
-                                       or not 0 < ttl_ms < float("inf")):
-                raise ValueError("'ttl_ms' must be a positive number or null")
-            internal = f"srv-{next(self._ids)}"
-            self.engine.add_request(prompt, params, request_id=internal, prompt_token_ids=ids,
-                                    priority=priority, ttl_ms=ttl_ms)
+            self.engine.add_request(msg.prompt, msg.params, request_id=internal,
+                                    prompt_token_ids=msg.prompt_token_ids,
+                                    priority=msg.priority, ttl_ms=msg.ttl_ms)
         except Overloaded as e:
             return self._error(client, rid, "overloaded", str(e))
         except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
             code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
             return self._error(client, rid, code, str(e))
-        self._owners[internal] = _Owner(client, rid, stream, params.n)
+        self._owners[internal] = _Owner(client, rid, msg.stream, msg.params.n)
         self._by_client[client][rid] = internal
 
     # ---- outputs -----------------------------------------------------------------------
@@ -208,23 +168,15 @@ class EngineServer:
             owner = self._owners.get(d.request_id)
             if owner is None:
                 continue
-            msg = {"op": "output", "id": owner.client_rid, "index": d.index,
-                   "token_ids": d.token_ids, "text": d.text, "logprobs": d.logprobs,
-                   "finish_reason": d.finish_reason}
-            if d.usage is not None:
-                msg["usage"] = d.usage
             if owner.stream:
-                self._send(owner.client, msg)
+                self._send(owner.client, cp.Output.of(d, owner.client_rid))
             else:
-                acc = owner.pending.setdefault(d.index, {**msg, "token_ids": [], "text": "",
-                                                         "logprobs": []})
-                acc["token_ids"] += d.token_ids
-                acc["text"] += d.text
-                acc["logprobs"] += d.logprobs or []
-                if d.finish_reason is not None:
-                    acc.update(finish_reason=d.finish_reason, usage=d.usage)
-                    acc["logprobs"] = acc["logprobs"] or None
-                    self._send(owner.client, owner.pending.pop(d.index))
+                acc = owner.pending.setdefault(d.index, CompletionAccumulator(d.index))
+                acc.add(d)
+                if acc.finished:
+                    del owner.pending[d.index]
+                    self._send(owner.client, cp.Output.of(acc.to_delta(d.request_id),
+                                                          owner.client_rid))
             if d.finish_reason is not None:
                 owner.remaining -= 1
                 if owner.remaining == 0:

@@ -18,10 +18,11 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from raw_client import RawClient
 from subproc import free_port, stop_process, wait_healthy
 
 from nvllm import LLM, SamplingParams
-from nvllm.common.client import AsyncClient, Client
+from nvllm.common.client import AsyncClient
 from nvllm.common.zmq_utils import generate_keys
 from nvllm.leader.server import EngineServer
 
@@ -72,7 +73,7 @@ def assert_idle(llm: LLM, timeout: float = 15.0) -> None:
 
 
 def test_authorised_client_gets_the_offline_output(secured, keys):
-    with Client(secured.endpoint, timeout_s=60, curve_key_dir=keys) as c:
+    with RawClient(secured.endpoint, timeout_s=60, curve_key_dir=keys) as c:
         assert c.info()["ready"]
         got = [(o.token_ids, o.text) for o in (c.generate(p, GREEDY) for p in PROMPTS)]
     assert got == secured.ref
@@ -94,7 +95,7 @@ def test_other_clients_get_no_answer(secured, stranger, who, caplog):
     key_dir = None if who == "no keys" else stranger
     caplog.set_level(logging.WARNING, logger="nvllm.common.zmq_utils")
     t0 = time.monotonic()
-    with Client(secured.endpoint, timeout_s=1.5, curve_key_dir=key_dir) as c:
+    with RawClient(secured.endpoint, timeout_s=1.5, curve_key_dir=key_dir) as c:
         with pytest.raises(TimeoutError, match="no answer"):
             c.generate("let me in", GREEDY)
         with pytest.raises(TimeoutError):
@@ -117,16 +118,16 @@ def test_other_clients_get_no_answer(secured, stranger, who, caplog):
 
 def test_frame_limit_applies_to_authorised_clients(secured, keys):
     assert secured.server.max_frame_bytes == FRAME_LIMIT
-    with Client(secured.endpoint, timeout_s=60, curve_key_dir=keys) as c:
+    with RawClient(secured.endpoint, timeout_s=60, curve_key_dir=keys) as c:
         # Under the limit: the frame is read, and answered (the prompt is too long).
-        c._send({"op": "submit", "id": "big", "prompt_token_ids": [1] * 6000,
+        c.send_map({"op": "submit", "id": "big", "prompt_token_ids": [1] * 6000,
                  "params": GREEDY})
-        assert c._wait_for("big", ())["code"] == "rejected"
-    with Client(secured.endpoint, timeout_s=60, curve_key_dir=keys) as bad, \
-            Client(secured.endpoint, timeout_s=60, curve_key_dir=keys) as good:
+        assert c.wait_map("big", ())["code"] == "rejected"
+    with RawClient(secured.endpoint, timeout_s=60, curve_key_dir=keys) as bad, \
+            RawClient(secured.endpoint, timeout_s=60, curve_key_dir=keys) as good:
         bad._sock.send(b"\x00" * FRAME_LIMIT)  # over the limit once encrypted: dropped
         assert good.generate(PROMPTS[0], GREEDY).token_ids == secured.ref[0][0]
-    with Client(secured.endpoint, timeout_s=60, curve_key_dir=keys) as c:
+    with RawClient(secured.endpoint, timeout_s=60, curve_key_dir=keys) as c:
         assert c.generate(PROMPTS[1], GREEDY).text == secured.ref[1][1]
     assert_idle(secured.llm)
 

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import zmq
+from raw_client import RawClient
 from zmq.utils.monitor import recv_monitor_message
 
 from nvllm import LLM, SamplingParams
-from nvllm.common.client import Client
 from nvllm.common.errors import RequestRejected
 from nvllm.leader.server import MAX_FRAME_BYTES, EngineServer
 
@@ -84,7 +84,7 @@ def offline(tiny, prompts, params=GREEDY):
 def test_stream_deltas_add_up_to_the_offline_output(served, tiny):
     prompts = ["The capital of France is", "naïve café — 東京 ✓"]
     ref = offline(tiny, prompts)
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         assert c.info()["ready"] and c.health()["ready"]
         for prompt, (ref_ids, ref_text) in zip(prompts, ref):
             deltas = list(c.stream(prompt, GREEDY))
@@ -98,7 +98,7 @@ def test_stream_deltas_add_up_to_the_offline_output(served, tiny):
 
 
 def test_stop_string_never_leaks_into_the_stream(served):
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         full = c.generate("Once upon a time", GREEDY).text
         assert len(full) > 8
         stop = full[4:7]
@@ -109,34 +109,34 @@ def test_stop_string_never_leaks_into_the_stream(served):
 
 
 def test_non_streaming_request_gets_one_message(served):
-    with Client(served.endpoint, timeout_s=60) as c:
-        c._send({"op": "submit", "id": "x", "prompt": "Hello", "stream": False,
+    with RawClient(served.endpoint, timeout_s=60) as c:
+        c.send_map({"op": "submit", "id": "x", "prompt": "Hello", "stream": False,
                  "params": {**GREEDY, "n": 2, "seed": 3, "temperature": 0.8}})
-        msgs = [c._wait_for("x", ()), c._wait_for("x", ())]
+        msgs = [c.wait_map("x", ()), c.wait_map("x", ())]
     assert sorted(m["index"] for m in msgs) == [0, 1]
     assert all(len(m["token_ids"]) == 16 and m["finish_reason"] == "length" for m in msgs)
 
 
 def test_abort_mid_stream_frees_blocks(served):
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         stream = c.stream("Tell me a long story", {**GREEDY, "max_tokens": 500})
         got = [next(stream) for _ in range(3)]
         assert all(d.finish_reason is None for d in got)
         stream.close()  # leaving the generator sends an abort
         wait_idle(served.llm)
         # An explicit abort by id also ends the request with finish_reason "abort".
-        c._send({"op": "submit", "id": "y", "prompt": "Hi", "params": {**GREEDY,
+        c.send_map({"op": "submit", "id": "y", "prompt": "Hi", "params": {**GREEDY,
                                                                         "max_tokens": 500}})
-        assert c._wait_for("y", ())["finish_reason"] is None
+        assert c.wait_map("y", ())["finish_reason"] is None
         c.abort("y")
-        while (m := c._wait_for("y", ()))["finish_reason"] is None:
+        while (m := c.wait_map("y", ()))["finish_reason"] is None:
             pass
         assert m["finish_reason"] == "abort"
     wait_idle(served.llm)
 
 
 def test_ttl_expires_while_running(served):
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         t0 = time.monotonic()
         out = c.generate("Tell me a long story", {**GREEDY, "max_tokens": 1000},
                          ttl_ms=400)
@@ -148,25 +148,25 @@ def test_ttl_expires_while_running(served):
 
 def test_ttl_expires_while_waiting_and_priorities_order_admission(one_at_a_time):
     ep = one_at_a_time.endpoint
-    with Client(ep, timeout_s=60) as c:
+    with RawClient(ep, timeout_s=60) as c:
         long = {**GREEDY, "max_tokens": 200}
-        c._send({"op": "submit", "id": "A", "prompt": "First", "params": long})
-        assert c._wait_for("A", ())["finish_reason"] is None  # A runs; the rest must wait
-        c._send({"op": "submit", "id": "late", "prompt": "x", "params": GREEDY,
+        c.send_map({"op": "submit", "id": "A", "prompt": "First", "params": long})
+        assert c.wait_map("A", ())["finish_reason"] is None  # A runs; the rest must wait
+        c.send_map({"op": "submit", "id": "late", "prompt": "x", "params": GREEDY,
                  "ttl_ms": 200})
-        c._send({"op": "submit", "id": "B", "prompt": "y", "params": GREEDY, "priority": 5})
-        c._send({"op": "submit", "id": "C", "prompt": "z", "params": GREEDY, "priority": 0})
+        c.send_map({"op": "submit", "id": "B", "prompt": "y", "params": GREEDY, "priority": 5})
+        c.send_map({"op": "submit", "id": "C", "prompt": "z", "params": GREEDY, "priority": 0})
         # The queue holds 3 (late, B, C): one more is refused at once.
-        c._send({"op": "submit", "id": "D", "prompt": "w", "params": GREEDY})
-        err = c._wait_for("D", ())
+        c.send_map({"op": "submit", "id": "D", "prompt": "w", "params": GREEDY})
+        err = c.wait_map("D", ())
         assert err["op"] == "error" and err["code"] == "overloaded"
         assert "max_queued_requests=3" in err["message"]
-        late = c._wait_for("late", ())
+        late = c.wait_map("late", ())
         assert late["finish_reason"] == "timeout" and late["token_ids"] == []
         finish_order = []
         pending = {"A", "B", "C"}
         while pending:
-            msg = c._recv(time.monotonic() + 60)
+            msg = c.recv_map(time.monotonic() + 60)
             if msg.get("finish_reason") is not None:
                 finish_order.append(msg["id"])
                 pending.discard(msg["id"])
@@ -175,17 +175,17 @@ def test_ttl_expires_while_waiting_and_priorities_order_admission(one_at_a_time)
 
 
 def test_rejections_and_bad_frames_are_answered(served):
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         with pytest.raises(RequestRejected, match="max_model_len is 1024"):
             c.generate([5] * 2000, GREEDY)
         with pytest.raises(Exception, match="temperature"):
             c.generate("hi", {"temperature": -1})
         c._sock.send(b"\xc1\xc1 not msgpack")
-        assert c._wait_for(None, ("error",))["code"] == "bad_frame"
+        assert c.wait_map(None, ("error",))["code"] == "bad_frame"
         import pickle
 
         c._sock.send(pickle.dumps({"op": "info"}))
-        assert c._wait_for(None, ("error",))["code"] == "bad_frame"
+        assert c.wait_map(None, ("error",))["code"] == "bad_frame"
         assert c.generate("still serving", GREEDY).finish_reason == "length"
     wait_idle(served.llm)
 
@@ -231,9 +231,9 @@ def test_hostile_frames_get_an_error_and_the_engine_keeps_serving(served, frame,
                                                                  caplog):
     caplog.set_level("INFO", logger="nvllm.leader.server")
     served.server._log_window = [0.0, 0]  # these tests run faster than the log rate limit
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         c._sock.send(frame)
-        err = c._recv(time.monotonic() + 30)
+        err = c.recv_map(time.monotonic() + 30)
         assert (err["op"], err["id"], err["code"]) == ("error", rid, code), err
         assert err["message"]
         assert any(f": {code}: " in r.getMessage() for r in caplog.records), "not logged"
@@ -245,12 +245,12 @@ def test_oversized_frame_drops_only_that_connection(served):
     limit = served.server.max_frame_bytes
     assert limit == MAX_FRAME_BYTES  # the default
     ep = served.endpoint
-    with Client(ep, timeout_s=60) as bad, Client(ep, timeout_s=60) as good:
+    with RawClient(ep, timeout_s=60) as bad, RawClient(ep, timeout_s=60) as good:
         # `bad` has a request running when it misbehaves: losing the connection orphans it,
         # and the silent-client sweep (client_timeout_s=2 here) must free it.
-        bad._send({"op": "submit", "id": "r", "prompt": "A long story",
+        bad.send_map({"op": "submit", "id": "r", "prompt": "A long story",
                    "params": {**GREEDY, "max_tokens": 900}})
-        assert bad._wait_for("r", ())["finish_reason"] is None
+        assert bad.wait_map("r", ())["finish_reason"] is None
         monitor = bad._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             bad._sock.send(b"\x00" * (limit + 1))
@@ -342,13 +342,13 @@ def test_batch_timeout_gathers_arrivals_into_the_first_prefill(tiny):
     llm.engine.workers.broadcast = spy
     s = serve(llm)
     try:
-        with Client(s.endpoint, timeout_s=60) as c:
+        with RawClient(s.endpoint, timeout_s=60) as c:
             for i in range(3):
-                c._send({"op": "submit", "id": i, "prompt": f"prompt {i}", "params": GREEDY})
+                c.send_map({"op": "submit", "id": i, "prompt": f"prompt {i}", "params": GREEDY})
                 time.sleep(0.15)
             done = 0
             while done < 3:
-                done += c._recv(time.monotonic() + 60).get("finish_reason") is not None
+                done += c.recv_map(time.monotonic() + 60).get("finish_reason") is not None
         assert plans[0] == 3, f"first plan admitted {plans[0]} of 3 requests"
     finally:
         teardown(s)
@@ -358,20 +358,20 @@ def test_worker_death_ends_requests_with_engine_unavailable(tiny):
     llm = LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2)
     s = serve(llm)
     try:
-        with Client(s.endpoint, timeout_s=60) as c:
-            c._send({"op": "submit", "id": "r", "prompt": "A long story",
+        with RawClient(s.endpoint, timeout_s=60) as c:
+            c.send_map({"op": "submit", "id": "r", "prompt": "A long story",
                      "params": {**GREEDY, "max_tokens": 900}})
-            assert c._wait_for("r", ())["finish_reason"] is None  # running
+            assert c.wait_map("r", ())["finish_reason"] is None  # running
             t0 = time.monotonic()
             os.kill(llm.worker_pids[1], signal.SIGKILL)
-            while (m := c._wait_for("r", ()))["op"] == "output":
+            while (m := c.wait_map("r", ()))["op"] == "output":
                 assert m["finish_reason"] is None
             assert m["op"] == "error" and m["code"] == "engine_unavailable"
             assert "rank 1" in m["message"] and time.monotonic() - t0 < 5
             health = c.health()
             assert health["ready"] is False and "rank 1" in health["reason"]
-            c._send({"op": "submit", "id": "after", "prompt": "x", "params": GREEDY})
-            assert c._wait_for("after", ())["code"] == "engine_unavailable"
+            c.send_map({"op": "submit", "id": "after", "prompt": "x", "params": GREEDY})
+            assert c.wait_map("after", ())["code"] == "engine_unavailable"
     finally:
         teardown(s)
 
@@ -384,12 +384,12 @@ def test_shutdown_drains_or_aborts(tiny, grace_s, expected):
     thread = threading.Thread(target=server.serve, args=(stop, grace_s), daemon=True)
     thread.start()
     try:
-        with Client(server.endpoint, timeout_s=60) as c:
-            c._send({"op": "submit", "id": "r", "prompt": "A story",
+        with RawClient(server.endpoint, timeout_s=60) as c:
+            c.send_map({"op": "submit", "id": "r", "prompt": "A story",
                      "params": {**GREEDY, "max_tokens": 60}})
-            assert c._wait_for("r", ())["finish_reason"] is None
+            assert c.wait_map("r", ())["finish_reason"] is None
             stop.set()  # what SIGTERM does in nvllm-launch
-            while (m := c._wait_for("r", ()))["finish_reason"] is None:
+            while (m := c.wait_map("r", ()))["finish_reason"] is None:
                 pass
             assert m["finish_reason"] == expected
             thread.join(30)
@@ -404,14 +404,14 @@ def test_shutdown_drains_or_aborts(tiny, grace_s, expected):
 def test_a_flood_of_bad_frames_is_logged_at_a_bounded_rate(served, caplog):
     caplog.set_level("INFO", logger="nvllm.leader.server")
     served.server._log_window = [0.0, 0]
-    with Client(served.endpoint, timeout_s=60) as c:
+    with RawClient(served.endpoint, timeout_s=60) as c:
         for _ in range(25):
             c._sock.send(b"\xc1")
         for _ in range(25):
-            assert c._recv(time.monotonic() + 30)["code"] == "bad_frame"
+            assert c.recv_map(time.monotonic() + 30)["code"] == "bad_frame"
         time.sleep(1.1)
         c._sock.send(b"\xc1")
-        assert c._recv(time.monotonic() + 30)["code"] == "bad_frame"
+        assert c.recv_map(time.monotonic() + 30)["code"] == "bad_frame"
     lines = [r.getMessage() for r in caplog.records if r.name == "nvllm.leader.server"]
     assert sum(": bad_frame: " in m for m in lines) == 11  # 10 of the burst, then the next
     assert any("and 15 more error replies" in m for m in lines)
