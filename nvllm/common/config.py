@@ -248,6 +248,12 @@ class EngineConfig:
         return d
 
 
+def engine_default(name: str) -> Any:
+    """EngineConfig's default for field ``name``, for code that must wait or size something
+    before any config exists (the torchrun worker waiting for its leader)."""
+    return EngineConfig.__dataclass_fields__[name].default
+
+
 @dataclass(slots=True)
 class DistConfig:
     """Where the workers of one engine run: this host only, or several nodes.
