@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Default KV-cache budget per worker on CPU (GiB), like vLLM's VLLM_CPU_KVCACHE_SPACE.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
@@ -81,55 +83,94 @@ class ModelInfo:
         )
 
 
+def _setting(default: Any, help: str, **cli: Any) -> Any:
+    """An EngineConfig field whose default and help are written once, here.
+
+    The command lines (nvllm/launch/options.py) make one option per field from this
+    metadata, so a default changed here changes every entry point. ``cli`` may hold
+    ``flags`` (the option's names, in help order; the field's own ``--field-name`` is
+    added when missing) and ``choices``.
+    """
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(slots=True)
 class EngineConfig:
+    """Every engine setting; the keyword arguments of ``LLM(...)`` and the engine flags of
+    ``nvllm-launch`` are these fields, one to one."""
+
     model: str
-    tensor_parallel_size: int = 1
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    dtype: str = "auto"  # "auto" (the checkpoint's) | float32 | bfloat16 | float16
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = DEFAULT_CPU_KV_CACHE_GIB
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    # CPU, torch backend: keep each running sequence's K/V also contiguous (within the
-    # cpu_kv_cache_gib budget again), so attention stops re-gathering paged blocks.
-    cpu_kv_mirror: bool = True
-    # CPU, float32: linear weights packed in oneDNN's layout (faster at decode sizes).
-    cpu_onednn_linear: bool = True
-    # CPU: glibc malloc keeps freed memory mapped, so each step's activations reuse
-    # pages instead of faulting in fresh ones (nvllm/worker/cpu_malloc.py).
-    cpu_malloc_reuse: bool = True
-    # Send plan N+1 before applying plan N's result, so the leader's work overlaps the
-    # workers' (outputs are identical either way).
-    async_scheduling: bool = True
-    # Tensor parallel: split a step of at least micro_batch_min_tokens tokens into two
-    # micro-batches, so one's all-reduce runs while the other computes.
-    micro_batch_overlap: bool = True
-    micro_batch_min_tokens: int = 256
-    # CUDA: never capture decode steps as CUDA graphs (debugging, or to save the memory).
-    enforce_eager: bool = False
-    # Big plans' token ids and block tables through a shared-memory ring (every worker on
-    # the leader's host), the plan carrying references; off: always msgpack lists.
-    plan_shm: bool = True
-    plan_shm_mib: int = 16
-    seed: int = 0
-    max_queued_requests: int | None = None  # beyond it, submissions are refused at once
-    batch_timeout_ms: float = 0.0  # idle engine: wait this long for more arrivals
-    client_timeout_s: float = 10.0  # a silent client's requests are aborted after this
-    log_stats_interval_s: float = 5.0
-    worker_start_timeout_s: float = 300.0
-    step_timeout_s: float = 600.0  # watchdog: a step with no result by then is an error
-    # Workers and leader ping each other; this much silence means the other side is gone.
-    heartbeat_timeout_s: float = 4.0
-    # On a worker failure, start a new worker group and recompute the in-flight requests
-    # (at most this many times) instead of failing them.
-    restart_workers: bool = False
-    max_worker_restarts: int = 3
+    tensor_parallel_size: int = _setting(
+        1, "Number of tensor-parallel worker processes.",
+        flags=("--tp", "--tensor-parallel-size"))
+    device: str = _setting(
+        "auto", "Where the workers run; auto: CUDA when available.", choices=DEVICES)
+    dtype: str = _setting(
+        "auto", "Weights and activations; auto: the checkpoint's (float16 becomes bfloat16 "
+                "on CPU).", choices=("auto", *DTYPES))
+    block_size: int = _setting(16, "Tokens per KV block.")
+    enable_prefix_caching: bool = _setting(
+        True, "Reuse the KV blocks of a prompt prefix seen before.")
+    max_num_seqs: int = _setting(256, "Most sequences running in one step.")
+    max_num_batched_tokens: int = _setting(2048, "Most tokens (prefill + decode) in one step.")
+    max_model_len: int | None = _setting(
+        None, "Longest prompt + output (default: the model's, capped by its sliding window).")
+    num_kv_blocks: int | None = _setting(
+        None, "Override the KV capacity computed from memory.")
+    gpu_memory_utilization: float = _setting(
+        0.9, "CUDA: share of the GPU's memory the worker may use (weights + KV cache).")
+    cpu_kv_cache_gib: float = _setting(
+        DEFAULT_CPU_KV_CACHE_GIB, "KV-cache budget per worker on CPU, in GiB.")
+    attention_backend: str = _setting(
+        "auto", "Attention kernels; auto: triton on CUDA (with triton installed), else torch.",
+        choices=ATTENTION_BACKENDS)
+    cpu_kv_mirror: bool = _setting(
+        True, "CPU, torch backend: keep each running sequence's K/V also contiguous (within "
+              "the cpu_kv_cache_gib budget again), so attention stops re-gathering paged "
+              "blocks.")
+    cpu_onednn_linear: bool = _setting(
+        True, "CPU, float32: linear weights packed in oneDNN's layout (faster at decode "
+              "sizes).")
+    cpu_malloc_reuse: bool = _setting(
+        True, "CPU: glibc malloc keeps freed memory mapped, so each step's activations "
+              "reuse pages instead of faulting in fresh ones.")
+    async_scheduling: bool = _setting(
+        True, "Send step N+1's plan before applying step N's result, so the leader's work "
+              "overlaps the workers' (outputs are identical either way).")
+    micro_batch_overlap: bool = _setting(
+        True, "Tensor parallel: cut big steps into two micro-batches so one's all-reduce runs "
+              "while the other computes.")
+    micro_batch_min_tokens: int = _setting(
+        256, "Smallest step (in tokens) that is cut into micro-batches.")
+    enforce_eager: bool = _setting(
+        False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (debugging, "
+               "or to save their memory).")
+    plan_shm: bool = _setting(
+        True, "Big plans' token ids and block tables through a shared-memory ring (when "
+              "every worker is on this host) instead of msgpack lists.")
+    plan_shm_mib: int = _setting(16, "Size of the plan_shm ring, in MiB.")
+    seed: int = _setting(0, "Seeds sampling (and torch) in the workers.")
+    max_queued_requests: int | None = _setting(
+        None, "Refuse new requests with 'overloaded' beyond this many waiting.")
+    batch_timeout_ms: float = _setting(
+        0.0, "When idle, wait this long for more arrivals before the first prefill.")
+    client_timeout_s: float = _setting(
+        10.0, "Abort the requests of a client silent for this long.")
+    log_stats_interval_s: float = _setting(
+        5.0, "Seconds between the engine's stats log lines.")
+    worker_start_timeout_s: float = _setting(
+        300.0, "Seconds the workers may take to start and load the model.")
+    step_timeout_s: float = _setting(
+        600.0, "Watchdog: a step without a result after this many seconds is an error.",
+        flags=("--step-timeout",))
+    heartbeat_timeout_s: float = _setting(
+        4.0, "Seconds of heartbeat silence after which a worker (or, seen from a worker, "
+             "the leader) counts as dead.", flags=("--heartbeat-timeout",))
+    restart_workers: bool = _setting(
+        False, "On a worker failure, start a new worker group and recompute the in-flight "
+               "requests instead of failing them (workers on this node only).")
+    max_worker_restarts: int = _setting(
+        3, "With restart_workers: give up (and fail requests) after this many.")
     model_info: ModelInfo | None = field(default=None, repr=False)
 
     def finalize(self) -> EngineConfig:
@@ -141,7 +182,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if self.device == "auto":
             self.device = _detect_device()
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES[1:]:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype == "auto":
             self.dtype = info.torch_dtype if info.torch_dtype in DTYPES else "float32"
@@ -195,7 +236,7 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be >= 0")
         if self.batch_timeout_ms < 0:
             raise ValueError("batch_timeout_ms must be >= 0")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
@@ -205,6 +246,12 @@ class EngineConfig:
         d = asdict(self)
         d.pop("model_info")
         return d
+
+
+def engine_default(name: str) -> Any:
+    """EngineConfig's default for field ``name``, for code that must wait or size something
+    before any config exists (the torchrun worker waiting for its leader)."""
+    return EngineConfig.__dataclass_fields__[name].default
 
 
 @dataclass(slots=True)

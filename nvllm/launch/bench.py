@@ -19,8 +19,11 @@ import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import click
+
+from nvllm.launch.options import engine_options
 
 CTX = {"show_default": True, "help_option_names": ["-h", "--help"]}
 
@@ -115,30 +118,20 @@ def _common(f):
 @bench.command(context_settings=CTX)
 @click.option("--model", required=True,
               help="HF-format checkpoint folder, or tiny:NAME for a built-in random one.")
-@click.option("--tp", "--tensor-parallel-size", "tp", default=1, type=int)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              default="auto")
 @click.option("--num-seqs", default=256, type=click.IntRange(min=1))
-@click.option("--max-num-seqs", default=256, type=int)
-@click.option("--max-num-batched-tokens", default=2048, type=int)
-@click.option("--max-model-len", default=None, type=int,
-              help="Default: max input + max output, enough for the longest request.")
 @click.option("--warmup/--no-warmup", default=True,
               help="Run a short generate first, outside the timing.")
-@click.option("--async-scheduling/--no-async-scheduling", default=True,
-              help="Overlap the leader's work with the workers' (as nvllm-launch).")
-@click.option("--micro-batch-overlap/--no-micro-batch-overlap", default=True,
-              help="With --tp > 1, overlap all-reduces with compute (as nvllm-launch).")
-@click.option("--enforce-eager", is_flag=True, help="CUDA: no decode graphs (as nvllm-launch).")
+@engine_options(exclude=("seed",), help={
+    "max_model_len": "Default: max input + max output, enough for the longest request."})
 @_common
-def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
-               max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None,
-               warmup: bool, async_scheduling: bool, micro_batch_overlap: bool,
-               enforce_eager: bool,
+def throughput(model: str, num_seqs: int, warmup: bool, engine_kwargs: dict[str, Any],
                input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
                as_json: bool, log_level: str) -> None:
-    """Offline: time LLM.generate on NUM_SEQS random requests."""
+    """Offline: time LLM.generate on NUM_SEQS random requests.
+
+    The engine options are nvllm-launch's (EngineConfig's fields); --seed seeds the
+    workload here, and the engine keeps its default sampling seed (the runs are greedy).
+    """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams
     from nvllm.common.config import ModelInfo
@@ -147,18 +140,16 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
     path = resolve_model(model)
     wl = make_workload(num_seqs, input_len, output_len,
                        ModelInfo.from_pretrained(path).vocab_size, seed)
+    max_model_len = engine_kwargs["max_model_len"]
     if max_model_len is None:
-        max_model_len = input_len[1] + output_len[1]
+        engine_kwargs["max_model_len"] = input_len[1] + output_len[1]
     elif max_model_len < wl.longest:
         # The engine would reject those requests: a benchmark of fewer requests than asked.
         raise click.UsageError(f"--max-model-len {max_model_len} is below the longest request "
                                f"({wl.longest} tokens): raise it or lower the ranges")
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     params = [SamplingParams(**_greedy(o)) for o in wl.output_lens]
-    with LLM(path, tensor_parallel_size=tp, device=device, dtype=dtype,
-             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, async_scheduling=async_scheduling,
-             micro_batch_overlap=micro_batch_overlap, enforce_eager=enforce_eager) as llm:
+    with LLM(path, **engine_kwargs) as llm:
         cfg = llm.config
         if warmup:  # first steps pay for allocator growth and lazy init; keep them out
             wrng = random.Random(seed + 1)
@@ -173,10 +164,11 @@ def throughput(model: str, tp: int, device: str, dtype: str, num_seqs: int,
     ok = [o for o in outs if not o.error]
     n_in = sum(len(o.prompt_token_ids) for o in ok)
     n_out = sum(len(o.token_ids) for o in ok)
+    tp = cfg.tensor_parallel_size
     res = {"bench": "throughput", "model": cfg.model, "tp": tp, "device": cfg.device,
            "dtype": cfg.dtype, "num_seqs": num_seqs, "input_len": list(input_len),
            "output_len": list(output_len), "max_model_len": cfg.max_model_len,
-           "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+           "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
            "async_scheduling": cfg.async_scheduling,
            "micro_batch_overlap": cfg.micro_batch_overlap, "enforce_eager": cfg.enforce_eager,
            "seed": seed, "failures": len(outs) - len(ok),

@@ -13,8 +13,11 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Any
 
 import click
+
+from nvllm.launch.options import engine_options
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -54,42 +57,7 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               help="HF-format checkpoint folder, or tiny:NAME (e.g. tiny:qwen3) for a "
                    "built-in random checkpoint. Required on node rank 0; on other nodes it "
                    "overrides the leader's path (where the checkpoint lives elsewhere).")
-@click.option("--tp", "--tensor-parallel-size", "tp", default=1, type=int,
-              help="Number of tensor-parallel worker processes.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              default="auto")
-@click.option("--block-size", default=16, type=int, help="Tokens per KV block.")
-@click.option("--max-num-seqs", default=256, type=int)
-@click.option("--max-num-batched-tokens", default=2048, type=int)
-@click.option("--max-model-len", default=None, type=int)
-@click.option("--num-kv-blocks", default=None, type=int,
-              help="Override the KV capacity computed from memory.")
-@click.option("--gpu-memory-utilization", default=0.9, type=float)
-@click.option("--cpu-kv-cache-gib", default=1.0, type=float,
-              help="KV-cache budget per worker on CPU.")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True)
-@click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
-              default="auto")
-@click.option("--async-scheduling/--no-async-scheduling", default=True,
-              help="Send step N+1's plan before applying step N's result, so the leader's "
-                   "work overlaps the workers' (outputs are identical either way).")
-@click.option("--micro-batch-overlap/--no-micro-batch-overlap", default=True,
-              help="With --tp > 1, cut big steps into two micro-batches so one's all-reduce "
-                   "runs while the other computes.")
-@click.option("--micro-batch-min-tokens", default=256, type=int,
-              help="Smallest step (in tokens) that is cut into micro-batches.")
-@click.option("--enforce-eager", is_flag=True,
-              help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")
-@click.option("--plan-shm/--no-plan-shm", default=True,
-              help="Big plans' token ids and block tables through a shared-memory ring "
-                   "(when every worker is on this host) instead of msgpack lists.")
-@click.option("--max-queued-requests", default=None, type=int,
-              help="Refuse new requests with 'overloaded' beyond this many waiting.")
-@click.option("--batch-timeout-ms", default=0.0, type=float,
-              help="When idle, wait this long for more arrivals before the first prefill.")
-@click.option("--client-timeout-s", default=10.0, type=float,
-              help="Abort the requests of a client silent for this long.")
+@engine_options()
 @click.option("--shutdown-timeout", default=0.0, type=float,
               help="On SIGINT/SIGTERM, let running requests finish for up to this many "
                    "seconds before aborting them.")
@@ -120,37 +88,23 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
                    "leader<->worker sockets; required when binding beyond loopback.")
 @click.option("--max-frame-bytes", default=64 << 20, type=int,
               help="Largest client frame; ZMQ drops a bigger one and that connection.")
-@click.option("--heartbeat-timeout", default=4.0, type=float,
-              help="Seconds of heartbeat silence after which a worker (or, seen from a "
-                   "worker, the leader) counts as dead.")
-@click.option("--step-timeout", default=600.0, type=float,
-              help="Watchdog: a step without a result after this many seconds is an error.")
-@click.option("--restart-workers", is_flag=True,
-              help="On a worker failure, start a new worker group and recompute the "
-                   "in-flight requests instead of failing them (workers on this node only).")
-@click.option("--max-worker-restarts", default=3, type=int,
-              help="With --restart-workers: give up (and fail requests) after this many.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
 @click.option("--max-tokens", default=32, type=int)
 @click.option("--temperature", default=0.0, type=float)
 @click.option("--log-level", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_tokens,
-           max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib,
-           enable_prefix_caching, attention_backend, async_scheduling, micro_batch_overlap,
-           micro_batch_min_tokens, enforce_eager, plan_shm, max_queued_requests,
-           batch_timeout_ms,
-           client_timeout_s, shutdown_timeout, host, port, http_port, http_host,
-           served_model_name, api_key, nnodes, node_rank, nproc_per_node, master_addr,
-           master_port, leader_only, curve_key_dir, max_frame_bytes, heartbeat_timeout,
-           step_timeout,
-           restart_workers, max_worker_restarts, prompts,
-           demo, max_tokens, temperature, log_level) -> None:
+def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: float,
+           host: str, port: int, http_port: int | None, http_host: str,
+           served_model_name: str | None, api_key: str | None, nnodes: int, node_rank: int,
+           nproc_per_node: int | None, master_addr: str, master_port: int, leader_only: bool,
+           curve_key_dir: str | None, max_frame_bytes: int, prompts: tuple[str, ...],
+           demo: bool, max_tokens: int, temperature: float, log_level: str) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes.
 
     With --nnodes M, run it once per node: node rank 0 runs the leader and its workers,
-    the others (--node-rank 1..M-1) only their workers.
+    the others (--node-rank 1..M-1) only their workers. The engine options are
+    EngineConfig's fields (the keyword arguments of nvllm.LLM), one to one.
     """
     from nvllm.common.config import DistConfig
     from nvllm.common.proc import set_process_title
@@ -182,23 +136,11 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
         die_with_parent(int(os.environ["NVLLM_PARENT_PID"]))
 
     t0 = time.perf_counter()
-    llm = LLM(resolve_model(model), tensor_parallel_size=tp, device=device, dtype=dtype,
-              block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
-              gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib,
-              attention_backend=attention_backend, async_scheduling=async_scheduling,
-              micro_batch_overlap=micro_batch_overlap,
-              micro_batch_min_tokens=micro_batch_min_tokens, enforce_eager=enforce_eager,
-              plan_shm=plan_shm,
-              max_queued_requests=max_queued_requests,
-              batch_timeout_ms=batch_timeout_ms, client_timeout_s=client_timeout_s,
-              heartbeat_timeout_s=heartbeat_timeout, step_timeout_s=step_timeout,
-              restart_workers=restart_workers, max_worker_restarts=max_worker_restarts,
-              dist=dist)
+    llm = LLM(resolve_model(model), dist=dist, **engine_kwargs)
     with llm:
         cfg = llm.config
-        click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} tp={tp} "
+        click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} "
+                   f"tp={cfg.tensor_parallel_size} "
                    f"device={cfg.device} dtype={cfg.dtype} workers={llm.worker_pids}")
         prompts = list(prompts) or (DEMO_PROMPTS if demo else [])
         if prompts:

@@ -17,13 +17,12 @@ Two properties matter for that use and drive most of the choices below:
 
 Usage::
 
-    python -m nvllm.launch.tiny --preset qwen3 --out /tmp/tiny
-    python -m nvllm.launch.tiny --all
+    nvllm-make-tiny --preset qwen3 --out /tmp/tiny
+    nvllm-make-tiny --all
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -33,7 +32,9 @@ import tempfile
 import zlib
 from typing import Any
 
+import click
 import torch
+from click.core import ParameterSource
 
 # --------------------------------------------------------------------------------------------
 # Presets
@@ -462,24 +463,20 @@ def ensure_tiny_checkpoint(
 # --------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m nvllm.launch.tiny",
-        description="Write deterministic tiny random HF checkpoints.",
-    )
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--preset", default="qwen3", choices=sorted(PRESETS))
-    group.add_argument("--all", action="store_true", help="build every preset")
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="root directory (default: $NVLLM_TINY_DIR or ~/.cache/nvllm/tiny); "
-        "each preset goes to OUT/NAME and is reused if it already exists",
-    )
-    args = parser.parse_args(argv)
-    names = sorted(PRESETS) if args.all else [args.preset]
-    for name in names:
-        print(ensure_tiny_checkpoint(name, args.out))
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="qwen3",
+              help="The preset to build.")
+@click.option("--all", "all_presets", is_flag=True, help="Build every preset.")
+@click.option("--out", default=None,
+              help="Root directory (default: $NVLLM_TINY_DIR or ~/.cache/nvllm/tiny); each "
+                   "preset goes to OUT/NAME and is reused if it already exists.")
+@click.pass_context
+def main(ctx: click.Context, preset: str, all_presets: bool, out: str | None) -> None:
+    """Write deterministic tiny random HF checkpoints and print their paths."""
+    if all_presets and ctx.get_parameter_source("preset") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--preset and --all are mutually exclusive")
+    for name in sorted(PRESETS) if all_presets else [preset]:
+        click.echo(ensure_tiny_checkpoint(name, out))
 
 
 if __name__ == "__main__":

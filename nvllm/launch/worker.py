@@ -85,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                "--tp", str(world), "--master-addr", addr, "--master-port", str(port)]
         leader = subprocess.Popen(cmd, env=dict(os.environ, NVLLM_PARENT_PID=str(os.getpid())),
                                   stdin=subprocess.DEVNULL)
+    from nvllm.common.config import engine_default
     from nvllm.launch.spawn import connect_store, read_group_spec
     from nvllm.worker.main import worker_entry
 
-    timeout_s = float(os.environ.get("NVLLM_WORKER_START_TIMEOUT", "300"))
+    timeout_s = float(os.environ.get("NVLLM_WORKER_START_TIMEOUT")
+                      or engine_default("worker_start_timeout_s"))
     code = 0
     try:
         spec = read_group_spec(connect_store(addr, port, timeout_s), timeout_s)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -323,7 +324,10 @@ def test_ensure_builds_once(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPa
         ensure_tiny_checkpoint("no-such-preset")
 
 
-def test_cli(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--preset", "llama", "--out", str(tmp_path)])
-    assert capsys.readouterr().out.split() == [str(tmp_path / "llama")]
+def test_cli(tmp_path: pathlib.Path) -> None:
+    res = CliRunner().invoke(main, ["--preset", "llama", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert res.output.split() == [str(tmp_path / "llama")]
     assert (tmp_path / "llama" / "tokenizer.json").is_file()
+    res = CliRunner().invoke(main, ["--all", "--preset", "llama", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "mutually exclusive" in res.output
