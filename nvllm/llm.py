@@ -7,9 +7,7 @@ tensor-parallel workers are child processes that ``shutdown()`` (or leaving the
 
 from __future__ import annotations
 
-import atexit
 import logging
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +18,7 @@ from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
 from nvllm.common.proc import DeferredInterrupt
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.common.transport import ArrayWriter, TransportError
-from nvllm.launch.spawn import WorkerGroup, start_worker_group
+from nvllm.launch.engine_builder import build_engine
 from nvllm.leader.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -38,55 +35,26 @@ class LLM:
                  dist: DistConfig | None = None, **kwargs: Any) -> None:
         """`dist` places workers on other nodes (or leaves them to torchrun/srun); the
         default starts every worker on this host. Other kwargs are EngineConfig fields."""
-        from transformers import AutoTokenizer
-
         self.config = EngineConfig(
             model=model, tensor_parallel_size=tensor_parallel_size, device=device, dtype=dtype,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, **kwargs).finalize()
-        self.tokenizer = (None if skip_tokenizer_init
-                          else AutoTokenizer.from_pretrained(self.config.model))
-        self._dist = dist or DistConfig()
-        if self.config.restart_workers and self._dist.uses_store:
-            raise ValueError("restart_workers needs every worker on this node: workers on "
-                             "other nodes are restarted by their own launcher, not the leader")
-        self._workers: WorkerGroup | None = None
-        self._start_workers()
-        try:
-            self.engine = LLMEngine(self.config, self._workers.client, self.tokenizer)
-        except BaseException:
-            self.shutdown()
-            raise
-        restart = weakref.WeakMethod(self._restart_workers)  # no engine -> LLM cycle
-        self.engine.restart_workers = lambda: restart()()
-        self._plan_writer = None
-        if self.config.plan_shm and not self._dist.uses_store:  # every rank is local
-            try:
-                self._plan_writer = ArrayWriter(
-                    "shm", capacity_bytes=self.config.plan_shm_mib << 20, timeout_s=0.0)
-            except TransportError as e:
-                logger.warning("plans travel as lists: %s", e)
-            self.engine.plan_writer = self._plan_writer
+            gpu_memory_utilization=gpu_memory_utilization,
+            skip_tokenizer_init=skip_tokenizer_init, **kwargs).finalize()
+        self.engine = build_engine(self.config, dist)
+        self.tokenizer = self.engine.tokenizer
 
-    def _start_workers(self) -> None:
-        self._workers = start_worker_group(self.config, self._dist)
-        # Stop the workers even if the user forgets shutdown() (or the interpreter exits).
-        self._finalizer = weakref.finalize(self, self._workers.stop)
-        atexit.register(self._finalizer)
-
-    def _restart_workers(self):
-        """The engine's recovery hook: replace the whole worker group (same config)."""
-        self._finalizer()
-        atexit.unregister(self._finalizer)
-        self._start_workers()
-        logger.warning("started a new worker group: pids %s", self._workers.pids)
-        return self._workers.client
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an engine built elsewhere (``build_engine``); it owns it from now."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine, llm.tokenizer = engine.config, engine, engine.tokenizer
+        return llm
 
     @property
     def worker_pids(self) -> list[int]:
-        return self._workers.pids if self._workers else []
+        return self.engine.executor.group.pids if getattr(self, "engine", None) else []
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -118,8 +86,9 @@ class LLM:
             with interrupt:
                 for (text, ids), params in zip(split, params_list):
                     try:
-                        req = self.engine.add_request(text, params, prompt_token_ids=ids)
-                        order.append(req.request_id)
+                        req = self.engine.input_processor.process(text, params,
+                                                                  prompt_token_ids=ids)
+                        order.append(self.engine.add_request(req).request_id)
                     except RequestRejected as e:
                         rid = f"rejected-{len(order)}"
                         order.append(rid)
@@ -146,16 +115,10 @@ class LLM:
         return [results[rid] for rid in order]
 
     def shutdown(self) -> None:
-        if self._workers is None:
-            return
+        """Stop the workers (also done when the LLM is garbage-collected or at exit)."""
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
-        self._finalizer()
-        if getattr(self, "_plan_writer", None) is not None:  # after the workers stopped
-            self._plan_writer.close()
-            self._plan_writer = None
-        atexit.unregister(self._finalizer)
-        self._workers = None
+            self.engine = None
 
     def __enter__(self) -> LLM:
         return self

@@ -32,7 +32,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from nvllm.common import plan_arrays, protocol
+from nvllm.common import plan_arrays
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.transport import ArrayReader, ArrayWriter
 
 NUM_SEQS, PROMPT, BLOCKS, VOCAB = 256, 1024, 64, 151_936

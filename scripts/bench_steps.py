@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench_vs_hf import SHAPE, probe_gflops
 
-    from nvllm.common import protocol
+    from nvllm.common import worker_protocol as protocol
     from nvllm.common.config import EngineConfig
     from nvllm.launch.tiny import make_tiny_checkpoint
     from nvllm.worker.cpu_malloc import keep_freed_memory

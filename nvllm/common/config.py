@@ -150,6 +150,8 @@ class EngineConfig:
               "every worker is on this host) instead of msgpack lists.")
     plan_shm_mib: int = _setting(16, "Size of the plan_shm ring, in MiB.")
     seed: int = _setting(0, "Seeds sampling (and torch) in the workers.")
+    skip_tokenizer_init: bool = _setting(
+        False, "Load no tokenizer: prompts must be token ids, outputs carry no text.")
     max_queued_requests: int | None = _setting(
         None, "Refuse new requests with 'overloaded' beyond this many waiting.")
     batch_timeout_ms: float = _setting(

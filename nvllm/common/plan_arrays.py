@@ -18,7 +18,7 @@ import logging
 
 import numpy as np
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol
 from nvllm.common.transport import ArrayReader, ArrayWriter, BadRef, RingFull
 
 logger = logging.getLogger(__name__)
@@ -31,12 +31,12 @@ MIN_BULK_SEQS = 48
 NUM_ARRAYS = 8
 
 
-def bulk_bytes(plan: protocol.StepPlan) -> int:
+def bulk_bytes(plan: worker_protocol.StepPlan) -> int:
     n = sum(len(s.token_ids) + len(s.block_table) + 1 for s in plan.new_seqs)
     return 4 * (n + sum(3 + len(r.new_block_ids) for r in plan.running))
 
 
-def pack(plan: protocol.StepPlan, writer: ArrayWriter) -> int:
+def pack(plan: worker_protocol.StepPlan, writer: ArrayWriter) -> int:
     """Move the plan's lists into the ring (in place: the plan then carries refs).
     Returns the region's generation to acknowledge, or 0 if the plan stays as lists
     (small, or the ring is full: acknowledgements are not arriving)."""
@@ -79,7 +79,7 @@ def pack(plan: protocol.StepPlan, writer: ArrayWriter) -> int:
     return res.generation
 
 
-def unpack(plan: protocol.StepPlan, reader: ArrayReader) -> None:
+def unpack(plan: worker_protocol.StepPlan, reader: ArrayReader) -> None:
     """Rebuild the plan's lists from its refs (in place). A ref that cannot be resolved,
     or arrays that do not fit the plan, raise ValueError naming the problem."""
     if plan.bulk is None:
@@ -104,6 +104,6 @@ def unpack(plan: protocol.StepPlan, reader: ArrayReader) -> None:
         s.token_ids, s.block_table = t, b
     if len(run_n) != len(run_ids):
         raise ValueError("plan arrays: running columns of different lengths")
-    plan.running = [protocol.RunningSeq(i, n, b) for i, n, b in
+    plan.running = [worker_protocol.RunningSeq(i, n, b) for i, n, b in
                     zip(run_ids, run_n, split(run_blk, run_off, len(run_ids), "new blocks"))]
     plan.bulk = None

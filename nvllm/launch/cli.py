@@ -127,7 +127,8 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
                   dist)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
-    from nvllm import LLM, SamplingParams
+    from nvllm.common.config import EngineConfig
+    from nvllm.launch import engine_builder
 
     set_process_title("nvllm-leader")
     if os.environ.get("NVLLM_PARENT_PID"):  # started by torchrun/srun's rank 0: die with it
@@ -136,59 +137,76 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         die_with_parent(int(os.environ["NVLLM_PARENT_PID"]))
 
     t0 = time.perf_counter()
-    llm = LLM(resolve_model(model), dist=dist, **engine_kwargs)
-    with llm:
-        cfg = llm.config
-        click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {cfg.model} "
-                   f"tp={cfg.tensor_parallel_size} "
-                   f"device={cfg.device} dtype={cfg.dtype} workers={llm.worker_pids}")
+    config = EngineConfig(model=resolve_model(model), **engine_kwargs)
+    engine = engine_builder.build_engine(config, dist)
+    try:
+        click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {config.model} "
+                   f"tp={config.tensor_parallel_size} device={config.device} "
+                   f"dtype={config.dtype} workers={engine.executor.group.pids}")
         prompts = list(prompts) or (DEMO_PROMPTS if demo else [])
         if prompts:
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-            t1 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            dt = time.perf_counter() - t1
-            for out in outs:
-                click.echo(f"\n--- {out.prompt!r}")
-                if out.error:
-                    click.echo(f"[error] {out.error}")
-                else:
-                    click.echo(f"{out.text!r}  ({len(out.token_ids)} tokens, "
-                               f"{out.finish_reason})")
-            n_out = sum(len(o.token_ids) for o in outs)
-            n_in = sum(len(o.prompt_token_ids) for o in outs)
-            click.echo(f"\n{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in "
-                       f"{dt:.2f}s: {n_out / dt:.1f} output tok/s, "
-                       f"{(n_in + n_out) / dt:.1f} total tok/s")
-            return
-        from nvllm.leader.server import EngineServer
+            _generate(engine, prompts, max_tokens, temperature)
+        else:
+            _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
+                   http_host if http_port is not None else None, http_port, api_key,
+                   shutdown_timeout)
+    finally:
+        engine.shutdown()
 
-        server = EngineServer(llm.engine, host, port, model_name=served_model_name,
-                              curve_key_dir=curve_key_dir, max_frame_bytes=max_frame_bytes)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
-        gateway = None
-        if http_port is not None:
-            from nvllm.launch.http_gateway import start_gateway_process
 
-            gateway = start_gateway_process(server.endpoint, http_host, http_port,
-                                            served_model_name, api_key=api_key,
-                                            curve_key_dir=curve_key_dir)
-            click.echo(f"OpenAI-compatible HTTP gateway on http://{http_host}:{http_port}/v1 "
-                       f"(pid {gateway.pid})")
-        try:
-            server.serve(stop, shutdown_timeout)
-        finally:
-            if gateway is not None:
-                gateway.terminate()
-                try:
-                    gateway.wait(10)
-                except subprocess.TimeoutExpired:
-                    gateway.kill()
-                    gateway.wait()
-            server.close()
+def _generate(engine, prompts: list[str], max_tokens: int, temperature: float) -> None:
+    """Generate for `prompts` and print the texts and the throughput."""
+    from nvllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    t1 = time.perf_counter()
+    outs = LLM.from_engine(engine).generate(prompts, params)
+    dt = time.perf_counter() - t1
+    for out in outs:
+        click.echo(f"\n--- {out.prompt!r}")
+        if out.error:
+            click.echo(f"[error] {out.error}")
+        else:
+            click.echo(f"{out.text!r}  ({len(out.token_ids)} tokens, {out.finish_reason})")
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    click.echo(f"\n{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in "
+               f"{dt:.2f}s: {n_out / dt:.1f} output tok/s, "
+               f"{(n_in + n_out) / dt:.1f} total tok/s")
+
+
+def _serve(engine, host: str, port: int, served_model_name: str | None,
+           curve_key_dir: str | None, max_frame_bytes: int, http_host: str | None,
+           http_port: int | None, api_key: str | None, shutdown_timeout: float) -> None:
+    """Serve clients on the ZMQ endpoint (and the HTTP gateway) until SIGINT/SIGTERM."""
+    from nvllm.leader.server import EngineServer
+
+    server = EngineServer(engine, host, port, model_name=served_model_name,
+                          curve_key_dir=curve_key_dir, max_frame_bytes=max_frame_bytes)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
+    gateway = None
+    if http_host is not None:
+        from nvllm.launch.http_gateway import start_gateway_process
+
+        gateway = start_gateway_process(server.endpoint, http_host, http_port,
+                                        served_model_name, api_key=api_key,
+                                        curve_key_dir=curve_key_dir)
+        click.echo(f"OpenAI-compatible HTTP gateway on http://{http_host}:{http_port}/v1 "
+                   f"(pid {gateway.pid})")
+    try:
+        server.serve(stop, shutdown_timeout)
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            try:
+                gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
+                gateway.wait()
+        server.close()
         click.echo("shutting down")
 
 

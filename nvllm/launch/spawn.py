@@ -28,7 +28,7 @@ from typing import Any
 
 from nvllm.common.config import DistConfig, EngineConfig
 from nvllm.common.zmq_utils import check_curve_bind
-from nvllm.leader.executor import WorkerGroupClient
+from nvllm.leader.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
 

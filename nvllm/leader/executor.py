@@ -1,241 +1,168 @@
-"""The leader's handle on the worker group: send plans, receive results, watch liveness.
+"""The engine's handle on its worker group: start it, size and allocate the KV cache, send
+plans, take results, and replace the group when it fails.
 
-One PUSH socket per worker (every rank gets every plan; one serialization, N sends) and
-one PULL socket that all ranks push to (rank 0's results, every rank's ready and error
-messages). The leader never blocks on a receive for long: between short polls it asks
-whether every worker still lives: the launcher's process check for local workers, and
-for every rank (local or on another node) the heartbeats a background thread answers.
+The group itself is started by a factory the launcher passes in (``start_group``, see
+nvllm/launch/engine_builder.py), so this package never imports the launcher or the
+workers. A group is anything with ``client`` (a ``WorkerGroupClient``, or a stand-in in
+tests), ``pids`` and ``stop()``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-import msgpack
-import zmq
-
-from nvllm.common import protocol
-from nvllm.common.errors import EngineDeadError, ProtocolError
-from nvllm.common.zmq_utils import bind_random, curve_server, curve_server_keys, make_socket
+from nvllm.common import plan_arrays, worker_protocol
+from nvllm.common.config import EngineConfig
+from nvllm.common.errors import EngineDeadError
+from nvllm.common.transport import ArrayWriter
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 100
-CANCEL_POLL_MS = 20  # how soon a deferred Ctrl-C is noticed while waiting
-# Leader and worker frames are small; anything bigger than this is hostile or broken.
-MAX_WORKER_FRAME_BYTES = 256 << 20
+
+class WorkerGroupHandle(Protocol):
+    client: Any
+    pids: list[int]
+
+    def stop(self) -> None: ...
 
 
-class HeartbeatMonitor:
-    """Answers the workers' heartbeats on a ROUTER socket from its own thread, so a busy
-    leader still answers, and records when each rank was last heard from.
+class Executor:
+    def __init__(self, config: EngineConfig, start_group: Callable[[], WorkerGroupHandle],
+                 plan_writer: ArrayWriter | None = None) -> None:
+        """`plan_writer`: a shared-memory ring for big plans' arrays, when every worker
+        shares this host (nvllm.common.plan_arrays); None sends every plan as lists."""
+        assert config.model_info is not None, "EngineConfig.finalize() first"
+        self.config = config
+        self.vocab_size = config.model_info.vocab_size
+        self.plan_writer = plan_writer
+        self._start_group = start_group
+        self.restarts_left = config.max_worker_restarts if config.restart_workers else 0
+        self.group = self._start()
+        try:
+            self.num_blocks = self._init_kv_cache()
+        except BaseException:
+            self.shutdown()
+            raise
 
-    A rank is judged only after its first heartbeat (start-up has its own timeout); from
-    then on, `timeout_s` of silence means the process is dead, stopped, or unreachable.
-    A killed process is found sooner: each rank's plan socket has exactly one peer, so a
-    disconnect seen by that socket's monitor that is not undone within DISCONNECT_GRACE_S
-    names the rank at once.
-    """
-
-    DISCONNECT_GRACE_S = 1.0
-
-    def __init__(self, ctx: zmq.Context, num_workers: int, host: str, timeout_s: float,
-                 secure: Callable[[zmq.Socket], None] = lambda s: None,
-                 per_rank: list[zmq.Socket] = ()) -> None:
-        self.num_workers = num_workers
-        self.timeout_s = timeout_s
-        self.last_seen: dict[int, float] = {}
-        self.where: dict[int, str] = {}
-        self.disconnected: dict[int, float] = {}
-        self._sock = make_socket(ctx, zmq.ROUTER, max_msg_bytes=4096)
-        secure(self._sock)
-        self.endpoint = bind_random(self._sock, host)
-        self._monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-                          for s in per_rank]
-        self._stop = threading.Event()
-        self._last_loop = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeats")
-        self._thread.start()
-
-    def _run(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        sock = self._sock
-        poller = zmq.Poller()
-        for s in (sock, *self._monitors):
-            poller.register(s, zmq.POLLIN)
-        while not self._stop.is_set():
-            ready = dict(poller.poll(POLL_MS))
-            now = time.monotonic()
-            if now - self._last_loop > self.timeout_s / 2:
-                # This thread did not run (the leader was stopped or starved): the silence
-                # is ours, so every rank gets a fresh timeout instead of a verdict.
-                for rank in self.last_seen:
-                    self.last_seen[rank] = now
-            self._last_loop = now
-            for rank, mon in enumerate(self._monitors):
-                if mon in ready:
-                    event = recv_monitor_message(mon)["event"]
-                    if event == zmq.EVENT_DISCONNECTED:
-                        self.disconnected[rank] = time.monotonic()
-                    else:
-                        self.disconnected.pop(rank, None)
-            if sock not in ready:
-                continue
-            frames = sock.recv_multipart()
-            try:
-                rank, pid, host = msgpack.unpackb(frames[-1], raw=False)
-                if not (isinstance(rank, int) and 0 <= rank < self.num_workers):
-                    raise ValueError(f"rank {rank!r} out of range")
-            except Exception as e:  # garbage from a stray peer: log, never crash
-                logger.warning("dropping a malformed heartbeat: %s", e)
-                continue
-            if rank not in self.last_seen:
-                self.where[rank] = f"pid {pid} on {host}"
-            self.last_seen[rank] = time.monotonic()
-            try:
-                sock.send_multipart([frames[0], b""], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        for s in (sock, *self._monitors):
-            s.close(0)
-
-    def silent(self) -> dict[int, str]:
-        """rank -> why it counts as dead, for every rank that does."""
-        now, dead = time.monotonic(), {}
-        if now - self._last_loop > self.timeout_s / 2:
-            return dead  # our own thread has not run lately: no verdict on anyone yet
-        for rank, seen in list(self.last_seen.items()):
-            if now - seen > self.timeout_s:
-                dead[rank] = (f"worker rank {rank} ({self.where.get(rank, '?')}) sent no "
-                              f"heartbeat for {now - seen:.1f} s: it is hung, stopped, or "
-                              "its host is unreachable")
-        for rank, when in list(self.disconnected.items()):
-            if now - when > self.DISCONNECT_GRACE_S:
-                dead[rank] = (f"worker rank {rank} ({self.where.get(rank, '?')}) "
-                              "disconnected: its process exited or its host is unreachable")
-        return dead
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-
-class WorkerGroupClient:
-    def __init__(self, num_workers: int, host: str = "127.0.0.1",
-                 heartbeat_timeout_s: float = 4.0, curve_key_dir: str | None = None) -> None:
-        """With `curve_key_dir`, every socket is a CURVE server admitting only the keys in
-        DIR/clients (workers connect with DIR/client.key_secret)."""
-        self.ctx = zmq.Context()
-        self.num_workers = num_workers
-        self.plan_socks = [make_socket(self.ctx, zmq.PUSH) for _ in range(num_workers)]
-        self.result_sock = make_socket(self.ctx, zmq.PULL, max_msg_bytes=MAX_WORKER_FRAME_BYTES)
-        self._auth = None
-
-        def secure(sock: zmq.Socket) -> None:
-            if curve_key_dir is None:
-                return
-            if self._auth is None:
-                self._auth = curve_server(self.ctx, sock, curve_key_dir)
-            else:
-                curve_server_keys(sock, curve_key_dir)
-
-        for s in (*self.plan_socks, self.result_sock):
-            secure(s)
-        self.plan_endpoints = [bind_random(s, host) for s in self.plan_socks]
-        self.result_endpoint = bind_random(self.result_sock, host)
-        self.heartbeats = HeartbeatMonitor(self.ctx, num_workers, host, heartbeat_timeout_s,
-                                           secure, self.plan_socks)
-        # The launcher's process check: rank -> how it died, for its local workers.
-        self.liveness_check: Callable[[], dict[int, str]] = dict
-        self.dead: str | None = None
-        self._closed = False
+    def _start(self) -> WorkerGroupHandle:
+        group = self._start_group()
+        # Stop the workers even if the owner forgets shutdown() (or the interpreter exits).
+        self._finalizer = weakref.finalize(self, group.stop)
+        return group
 
     @property
-    def heartbeat_endpoint(self) -> str:
-        return self.heartbeats.endpoint
+    def workers(self) -> Any:
+        """The current group's sockets (WorkerGroupClient)."""
+        return self.group.client
+
+    # ---- start-up -------------------------------------------------------------------
+
+    def _gather_ready(self, stage: str) -> list[worker_protocol.WorkerReady]:
+        got: dict[int, worker_protocol.WorkerReady] = {}
+        while len(got) < self.workers.num_workers:
+            msg = self.workers.recv(self.config.worker_start_timeout_s)
+            if isinstance(msg, worker_protocol.WorkerReady) and msg.stage == stage:
+                got[msg.rank] = msg
+            else:
+                logger.warning("unexpected %s while waiting for workers", type(msg).__name__)
+        return [got[r] for r in sorted(got)]
+
+    def _init_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Size the KV cache by what every rank fits (or `num_blocks`, which a restarted
+        group must fit), allocate it, and return its block count."""
+        fits = min(m.num_blocks for m in self._gather_ready("loaded"))
+        if num_blocks is not None and fits < num_blocks:
+            raise EngineDeadError(f"the restarted workers fit {fits} KV blocks, fewer than "
+                                  f"the {num_blocks} the engine schedules")
+        num_blocks = num_blocks or self.config.num_kv_blocks or fits
+        if num_blocks < 1:
+            raise RuntimeError(
+                "no memory left for the KV cache after loading the model: raise "
+                "gpu_memory_utilization (CUDA) or cpu_kv_cache_gib (CPU), or set num_kv_blocks")
+        self.workers.broadcast(worker_protocol.InitKVCache(num_blocks))
+        self._gather_ready("kv")
+        return num_blocks
+
+    # ---- steps ----------------------------------------------------------------------
+
+    def send(self, plan: worker_protocol.StepPlan) -> tuple[int, int]:
+        """Broadcast a plan; returns (bytes sent, ring generation of its arrays or 0)."""
+        generation = plan_arrays.pack(plan, self.plan_writer) if self.plan_writer else 0
+        return self.workers.broadcast(plan), generation
+
+    def recv_result(self, step_id: int, sampling_seq_ids: set[int], generation: int,
+                    cancelled: Callable[[], bool] | None = None) -> worker_protocol.StepResult:
+        """The result of plan `step_id`; anything that does not answer it is dropped.
+
+        Raises EngineDeadError when the group dies or the watchdog fires, and
+        KeyboardInterrupt (before taking a message) once `cancelled()` is true.
+        """
+        while True:
+            msg = self.workers.recv(self.config.step_timeout_s, cancelled)
+            if not isinstance(msg, worker_protocol.StepResult) or msg.step_id != step_id:
+                logger.warning("ignoring %s while waiting for step %d", type(msg).__name__,
+                               step_id)
+                continue
+            problem = self._check_result(msg, sampling_seq_ids)
+            if problem is not None:
+                logger.error("dropping a result for step %d: %s", step_id, problem)
+                continue
+            if generation:
+                # Every rank copies a plan's arrays out before the step's first collective,
+                # so rank 0's result means all of them are done with the region.
+                self.plan_writer.acked_all(generation)
+            return msg
+
+    def _check_result(self, r: worker_protocol.StepResult, due: set[int]) -> str | None:
+        """A result must sample exactly the sequences that finished their tokens this step,
+        with token ids in the vocabulary; anything else is not our workers' answer."""
+        if len(r.seq_ids) != len(r.token_ids) or set(r.seq_ids) != due \
+                or len(r.seq_ids) != len(due):
+            return "it does not sample the sequences the plan asked for"
+        if any(not 0 <= t < self.vocab_size for t in r.token_ids):
+            return "a token id is outside the vocabulary"
+        if r.logprobs is not None and (not isinstance(r.logprobs, list)
+                                       or len(r.logprobs) != len(r.seq_ids)):
+            return "malformed logprobs"
+        return None
+
+    # ---- failures -------------------------------------------------------------------
 
     def check_alive(self) -> str | None:
-        """None while every rank lives; else what died (and the group stays dead)."""
-        if self.dead is None:
-            died = self._dead_ranks()
-            if died:
-                self.dead = died[min(died)]
-                logger.error("%s", self.dead)
-        return self.dead
+        """None while every rank lives; else what died."""
+        return self.workers.check_alive()
 
-    def _dead_ranks(self) -> dict[int, str]:
-        # A process exit names the rank with its exit code: it wins over heartbeat silence.
-        return {**self.heartbeats.silent(), **self.liveness_check()}
+    def restart(self, error: str) -> bool:
+        """Replace a failed group with a fresh one whose KV cache has the same size; False
+        when restarts are off or used up. A failed restart counts; the next may work."""
+        while self.restarts_left > 0:
+            self.restarts_left -= 1
+            logger.error("worker group failed: %s; restarting it (%d restart(s) left after "
+                         "this)", error.split("\n")[0], self.restarts_left)
+            try:
+                self._finalizer()  # stop what is left of the old group
+                self.group = self._start()
+                self._init_kv_cache(self.num_blocks)
+            except Exception as e:
+                error = f"restart failed: {e}"
+                continue
+            if self.plan_writer is not None:
+                self.plan_writer.reclaim_all()  # the old readers are gone
+            logger.warning("started a new worker group: pids %s", self.group.pids)
+            return True
+        return False
 
-    def broadcast(self, msg: Any) -> int:
-        self._check_dead()
-        data = protocol.encode(msg)
-        for sock in self.plan_socks:
-            sock.send(data, copy=False)
-        return len(data)
-
-    def recv(self, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> Any:
-        """Next message from any worker; raises EngineDeadError on death or timeout, and
-        KeyboardInterrupt, before taking a message, once `cancelled()` is true."""
-        self._check_dead()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if cancelled is not None and cancelled():
-                raise KeyboardInterrupt
-            if self.result_sock.poll(POLL_MS if cancelled is None else CANCEL_POLL_MS):
-                data = self.result_sock.recv()
-                try:
-                    msg = protocol.decode(data)
-                except ProtocolError as e:
-                    logger.error("dropping malformed frame from a worker: %s", e)
-                    continue
-                if isinstance(msg, protocol.WorkerError):
-                    error = (f"worker rank {msg.rank} failed at step {msg.step_id}: "
-                             f"{msg.message}\n{msg.traceback}")
-                    # A peer's death surfaces on the survivors as a collective error;
-                    # name the root cause first.
-                    died = self._death_within(HeartbeatMonitor.DISCONNECT_GRACE_S + 0.5,
-                                              msg.rank)
-                    self.dead = error if died is None else f"{died}; then {error}"
-                    logger.error("%s", self.dead)
-                    raise EngineDeadError(self.dead)
-                return msg
-            if self.check_alive() is not None:
-                raise EngineDeadError(self.dead)
-            if time.monotonic() > deadline:
-                # The watchdog: a step that never finishes is an error, not a hang.
-                self.dead = (f"no answer from the workers within {timeout_s:.0f} s (a stuck "
-                             "step or collective); raise step_timeout_s if steps are that slow")
-                logger.error("%s", self.dead)
-                raise EngineDeadError(self.dead)
-
-    def _death_within(self, grace_s: float, reporter: int) -> str | None:
-        """Another rank's death within grace_s (the reporter exits on purpose)."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            died = {r: d for r, d in self._dead_ranks().items() if r != reporter}
-            if died:
-                return died[min(died)]
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-
-    def _check_dead(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.heartbeats.close()
-        for s in (*self.plan_socks, self.result_sock):
-            s.close(0)
-        if self._auth is not None:
-            self._auth.stop()
-        self.ctx.term()
+    def shutdown(self) -> None:
+        """Ask the workers to exit, stop their processes, then free the plan ring."""
+        try:
+            if self.workers.dead is None:
+                self.workers.broadcast(worker_protocol.Shutdown())
+        except Exception:  # shutting down anyway; stop() kills what is left
+            logger.debug("could not send shutdown to the workers", exc_info=True)
+        self._finalizer()
+        if self.plan_writer is not None:  # after the workers stopped
+            self.plan_writer.close()
+            self.plan_writer = None

@@ -10,6 +10,13 @@ it goes back to the waiting queue, ahead of everything that arrived after it.
 Priorities (lower runs first, ties first come first served) order the waiting queue and
 pick victims: the victim is the lowest-priority running sequence, and among equals the
 most recently admitted.
+
+``schedule`` also accounts for the plan it describes as sent (as vLLM's scheduler does):
+computed counts advance, sequences whose last token is computed owe a sampled token
+(``num_pending``), and full computed blocks enter the prefix cache. ``update_from_output``
+takes a step's sampled tokens back: it appends them and finishes sequences that hit a stop
+token or their length limit. Sequences that leave the workers (finished, aborted,
+preempted) are listed in ``finished_seq_ids`` until the next plan carries them.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from nvllm.common.worker_protocol import StepResult
 from nvllm.leader.kv_cache_manager import KVCacheManager
 from nvllm.leader.sequence import Sequence, SequenceStatus
 
@@ -26,6 +34,8 @@ from nvllm.leader.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that sample a token in this step (their last known token is computed).
+    sampling_seq_ids: set[int] = field(default_factory=set)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -34,6 +44,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """One sampled token taken into a sequence; ``finish_reason`` when it ended it."""
+
+    seq: Sequence
+    token: int
+    logprobs: list | None  # the worker's [logprob of token, [[id, logprob], ...]]
+    finish_reason: str | None
 
 
 class Scheduler:
@@ -47,6 +67,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._arrivals = itertools.count()
+        # Left the workers since the last plan: the next plan tells them to drop these.
+        self.finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -57,7 +79,20 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_waiting_requests(self) -> int:
+        return len({s.request_id for s in self.waiting})
+
+    def take_finished_seq_ids(self) -> list[int]:
+        ids, self.finished_seq_ids = self.finished_seq_ids, []
+        return ids
+
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule()
+        self._update_after_schedule(out)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
@@ -105,12 +140,54 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, hits):
                 break
             self.kv.record_lookup(seq)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """The plan is as good as sent: workers execute plans in order, so its tokens
+        count as computed and its full blocks may serve later prefix hits."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+                seq.num_pending += 1
+                out.sampling_seq_ids.add(seq.seq_id)
+            self.kv.cache_computed_blocks(seq)
+
+    def update_from_output(self, sched: SchedulerOutput, result: StepResult
+                           ) -> list[SeqUpdate]:
+        """Append the step's sampled tokens; finish sequences at a stop token (once
+        min_tokens are out) or at max_tokens / max_model_len."""
+        sampled = dict(zip(result.seq_ids, result.token_ids))
+        logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
+        updates = []
+        for seq, _ in sched.scheduled:
+            token = sampled.get(seq.seq_id)
+            # A sequence that finished (a stop token in the previous result, an abort, a
+            # timeout) while this plan was in flight: its extra token is dropped unseen.
+            if token is None or seq.is_finished:
+                continue
+            seq.token_ids.append(token)
+            seq.num_pending -= 1
+            self.kv.cache_computed_blocks(seq)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            updates.append(SeqUpdate(seq, token, logprobs.get(seq.seq_id), reason))
+        return updates
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens and token in p.all_stop_token_ids():
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _computable(self, seq: Sequence) -> int:
         """How many of the sequence's tokens (placeholders for tokens in flight included)
@@ -124,6 +201,7 @@ class Scheduler:
         return max(enumerate(self.running), key=lambda e: (e[1].priority, e[0]))[1]
 
     def _preempt(self, seq: Sequence) -> None:
+        self.finished_seq_ids.append(seq.seq_id)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.on_worker = False
@@ -138,9 +216,14 @@ class Scheduler:
         for seq in reversed(self.running):
             self._preempt(seq)
         self.running.clear()
+        self.finished_seq_ids.clear()  # the new workers hold nothing
+        for seq in self.waiting:
+            seq.num_pending = 0  # tokens in flight died with the old workers
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out (finished or aborted) and give its blocks back."""
+        if seq.on_worker:
+            self.finished_seq_ids.append(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

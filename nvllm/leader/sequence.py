@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from nvllm.common.sampling_params import SamplingParams
@@ -25,7 +24,6 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     priority: int = 0  # lower runs first
     order: int = 0  # arrival order: ties in priority are served first come, first served
-    arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in the cache. The last sampled token is never computed yet.
     num_computed_tokens: int = 0
@@ -44,8 +42,9 @@ class Sequence:
     # scheduling): the next plan already computes them, the workers hold their ids.
     num_pending: int = 0
     num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache at the first admission (usage).
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
-    logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:

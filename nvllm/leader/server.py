@@ -150,9 +150,10 @@ class EngineServer:
                                "this request id is already in flight on this connection")
         internal = f"srv-{next(self._ids)}"
         try:
-            self.engine.add_request(msg.prompt, msg.params, request_id=internal,
-                                    prompt_token_ids=msg.prompt_token_ids,
-                                    priority=msg.priority, ttl_ms=msg.ttl_ms)
+            self.engine.add_request(self.engine.input_processor.process(
+                msg.prompt, msg.params, request_id=internal,
+                prompt_token_ids=msg.prompt_token_ids, priority=msg.priority,
+                ttl_ms=msg.ttl_ms))
         except Overloaded as e:
             return self._error(client, rid, "overloaded", str(e))
         except (ValueError, TypeError) as e:  # RequestRejected is a ValueError

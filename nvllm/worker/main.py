@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from nvllm.common import plan_arrays, protocol
+from nvllm.common import plan_arrays, worker_protocol
 from nvllm.common.config import EngineConfig, ModelInfo
 from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
@@ -132,7 +132,7 @@ class PlanReader:
             self.watch.check()
             return None
         try:
-            return protocol.decode(self.sock.recv(), self.max_bytes)
+            return worker_protocol.decode(self.sock.recv(), self.max_bytes)
         except ProtocolError as e:
             logger.error("rank %d: dropping malformed plan frame: %s", self.rank, e)
             return None
@@ -146,7 +146,7 @@ class PlanReader:
                 return
             if msg is not None:
                 self.inbox.put(msg)
-                if isinstance(msg, protocol.Shutdown):
+                if isinstance(msg, worker_protocol.Shutdown):
                     return
 
     def get(self):
@@ -223,19 +223,19 @@ def run_worker(spec: dict) -> None:
         else:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
-        result_sock.send(protocol.encode(protocol.WorkerReady(
+        result_sock.send(worker_protocol.encode(worker_protocol.WorkerReady(
             rank, "loaded", runner.available_kv_blocks(), {"block_bytes": runner.block_bytes()})))
         reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,
                             threaded=device.type == "cuda")
         while True:
             msg = reader.get()
-            if isinstance(msg, protocol.Shutdown):
+            if isinstance(msg, worker_protocol.Shutdown):
                 break
-            if isinstance(msg, protocol.InitKVCache):
+            if isinstance(msg, worker_protocol.InitKVCache):
                 runner.init_kv_cache(msg.num_blocks)
-                result_sock.send(protocol.encode(
-                    protocol.WorkerReady(rank, "kv", msg.num_blocks, {})))
-            elif isinstance(msg, protocol.StepPlan):
+                result_sock.send(worker_protocol.encode(
+                    worker_protocol.WorkerReady(rank, "kv", msg.num_blocks, {})))
+            elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:
                     try:
@@ -245,16 +245,16 @@ def run_worker(spec: dict) -> None:
                     result = runner.execute(msg)
                 except InvalidPlan as e:  # nothing was touched: say so and carry on
                     logger.error("rank %d: rejecting step %d: %s", rank, step_id, e)
-                    result_sock.send(protocol.encode(protocol.WorkerError(
+                    result_sock.send(worker_protocol.encode(worker_protocol.WorkerError(
                         rank, step_id, f"invalid plan: {e}", "")))
                     continue
                 if result is not None:
-                    result_sock.send(protocol.encode(result))
+                    result_sock.send(worker_protocol.encode(result))
             else:
                 logger.error("rank %d: ignoring a %s on the plan socket", rank,
                              type(msg).__name__)
     except Exception as e:
-        result_sock.send(protocol.encode(protocol.WorkerError(
+        result_sock.send(worker_protocol.encode(worker_protocol.WorkerError(
             rank, step_id, f"{type(e).__name__}: {e}", traceback.format_exc())))
         time.sleep(0.2)  # let ZMQ flush the error before the process exits
         raise

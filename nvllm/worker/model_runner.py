@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig
 from nvllm.kernels.metadata import AttentionMetadata, build_metadata, mirror_views
 from nvllm.kernels.ops import resolve_backend
@@ -48,7 +48,7 @@ class WorkerSeq:
     num_prompt_tokens: int
     num_computed_tokens: int
     block_table: list[int]
-    sampling: protocol.WorkerSampling
+    sampling: worker_protocol.WorkerSampling
     kv: torch.Tensor | None = None  # contiguous K/V copy [layers, 2, kv_heads, cap, d]
 
 
@@ -169,7 +169,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    def validate(self, plan: protocol.StepPlan) -> None:
+    def validate(self, plan: worker_protocol.StepPlan) -> None:
         """Reject a plan this rank cannot execute before touching any state.
 
         Plans come from the leader only, so a bad one is a bug (or a forged frame): the
@@ -217,7 +217,7 @@ class ModelRunner:
                   len(seq.block_table) + len(rs.new_block_ids), seq.num_computed_tokens,
                   rs.num_new_tokens)
 
-    def _apply_plan(self, plan: protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
+    def _apply_plan(self, plan: worker_protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
         for sid in plan.finished_ids:
             self._drop(sid)
         batch = []
@@ -275,13 +275,13 @@ class ModelRunner:
         return micro, sample_rows, graphed
 
     @torch.inference_mode()
-    def execute(self, plan: protocol.StepPlan) -> protocol.StepResult | None:
+    def execute(self, plan: worker_protocol.StepPlan) -> worker_protocol.StepResult | None:
         t0 = time.perf_counter()
         self.validate(plan)
         batch = self._apply_plan(plan)
         if not batch:
-            return protocol.StepResult(plan.step_id, [], [], None, 0.0) if self.tp.rank == 0 \
-                else None
+            return (worker_protocol.StepResult(plan.step_id, [], [], None, 0.0)
+                    if self.tp.rank == 0 else None)
         micro, sample_rows, graphed = self._prepare(batch)
         if graphed:
             hidden = self.graphs.run(*micro[0])
@@ -308,5 +308,5 @@ class ModelRunner:
             seq.token_ids.append(token)
         if self.tp.rank != 0:
             return None
-        return protocol.StepResult(plan.step_id, [sid for sid, _ in sampling], tokens,
+        return worker_protocol.StepResult(plan.step_id, [sid for sid, _ in sampling], tokens,
                                    logprobs, time.perf_counter() - t0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from nvllm.common.protocol import WorkerSampling
+from nvllm.common.worker_protocol import WorkerSampling
 
 # Below this, logits / T overflows float32: such temperatures mean greedy (as in vLLM).
 GREEDY_BELOW = 1e-5

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from nvllm.common import plan_arrays, protocol
+from nvllm.common import plan_arrays
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.errors import ProtocolError
 from nvllm.common.transport import ArrayReader, ArrayWriter
 

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from nvllm import LLM, SamplingParams
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.errors import EngineDeadError
 
 pytestmark = pytest.mark.e2e
@@ -257,8 +258,9 @@ def test_decode_plans_stay_small(llm):
 
     engine = llm.engine
     for i in range(32):
-        engine.add_request(prompt_token_ids=[7, 8, 9, 10 + i],
-                           params=SP(temperature=0, max_tokens=20, ignore_eos=True))
+        engine.add_request(engine.input_processor.process(
+            prompt_token_ids=[7, 8, 9, 10 + i],
+            params=SP(temperature=0, max_tokens=20, ignore_eos=True)))
     sizes = []
     while engine.has_unfinished_requests():
         engine.step()
@@ -288,7 +290,6 @@ def test_garbage_on_the_result_socket_changes_nothing(llm):
     import msgpack
     import zmq
 
-    from nvllm.common import protocol
 
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
@@ -321,7 +322,6 @@ def test_garbage_on_the_result_socket_changes_nothing(llm):
 def test_a_forged_result_for_the_current_step_is_dropped(llm, monkeypatch):
     """A well-formed StepResult with the right step id but tokens for the wrong sequences
     (or outside the vocabulary) is not our workers' answer: dropped, the real one wins."""
-    from nvllm.common import protocol
 
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     before = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids

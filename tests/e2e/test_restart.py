@@ -24,7 +24,9 @@ def engine(tiny, **kw) -> LLM:
 
 
 def run_with_fault(llm: LLM, kill_at_step: int, sig=signal.SIGKILL) -> dict[str, list[int]]:
-    ids = {llm.engine.add_request(p, PARAMS).request_id: p for p in PROMPTS}
+    engine = llm.engine
+    ids = {engine.add_request(engine.input_processor.process(p, PARAMS)).request_id: p
+           for p in PROMPTS}
     done, steps = {}, 0
     while llm.engine.has_unfinished_requests():
         if steps == kill_at_step:

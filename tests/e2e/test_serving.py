@@ -328,7 +328,7 @@ def test_200_concurrent_streams_from_several_processes(served, tiny):
 
 
 def test_batch_timeout_gathers_arrivals_into_the_first_prefill(tiny):
-    from nvllm.common import protocol
+    from nvllm.common import worker_protocol as protocol
 
     llm = LLM(tiny("qwen3"), device="cpu", dtype="float32", batch_timeout_ms=600)
     plans = []

@@ -8,7 +8,6 @@ import click
 import pytest
 from click.testing import CliRunner
 
-import nvllm
 from nvllm.common.config import EngineConfig
 from nvllm.launch.bench import throughput
 from nvllm.launch.cli import launch
@@ -18,24 +17,27 @@ SETTINGS = [f for f in dataclasses.fields(EngineConfig) if f.name not in ("model
 
 
 class Captured(Exception):
-    """Raised by the stand-in LLM, so launch stops before starting any worker."""
+    """Raised by the stand-in build_engine, so launch stops before starting any worker."""
 
 
 @pytest.fixture()
 def llm_kwargs(monkeypatch):
-    """Run nvllm-launch with LLM replaced: returns the (model, kwargs) it was given."""
+    """Run nvllm-launch with build_engine replaced: returns the model and the other
+    EngineConfig fields it was given."""
     seen = {}
 
-    def fake_llm(model, **kwargs):
-        seen.update(model=model, kwargs=kwargs)
+    def fake_build(config, dist=None):
+        seen.update(model=config.model, dist=dist, kwargs={f.name: getattr(config, f.name)
+                                                           for f in SETTINGS})
         raise Captured
 
-    monkeypatch.setattr(nvllm, "LLM", fake_llm, raising=False)
+    monkeypatch.setattr("nvllm.launch.engine_builder.build_engine", fake_build)
     monkeypatch.setattr("nvllm.common.proc.set_process_title", lambda title: None)
 
     def run(*args: str) -> tuple[str, dict]:
         res = CliRunner().invoke(launch, ["--model", "m", *args])
         assert isinstance(res.exception, Captured), res.output
+        assert seen["dist"] is not None
         return seen["model"], seen["kwargs"]
 
     return run
@@ -58,13 +60,12 @@ def test_every_field_has_an_option_with_its_default(command, skip):
 
 def test_defaults_build_the_default_config(llm_kwargs):
     model, kwargs = llm_kwargs()
-    assert model == "m" and kwargs.pop("dist") is not None
+    assert model == "m"
     assert EngineConfig(model="m", **kwargs) == EngineConfig("m")
 
 
 def test_flags_reach_the_config(llm_kwargs):
     _, kwargs = llm_kwargs("--tp", "2", "--no-async-scheduling", "--max-num-seqs", "7")
-    kwargs.pop("dist")
     assert EngineConfig(model="m", **kwargs) == EngineConfig(
         "m", tensor_parallel_size=2, async_scheduling=False, max_num_seqs=7)
 

@@ -8,9 +8,10 @@ from fake_workers import BLOCK, NUM_BLOCKS, FakeWorkers
 from leader_sim import Sim, assert_no_leak
 from transformers import AutoTokenizer
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.config import EngineConfig
 from nvllm.leader.engine import LLMEngine
+from nvllm.leader.executor import Executor
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def make_engine(tiny, tokenizer):
                   log_stats_interval_s=3600.0, async_scheduling=False)
         kw.update(overrides)
         config = EngineConfig(tiny("qwen3"), **kw).finalize()
-        engine = LLMEngine(config, workers, tokenizer)
+        engine = LLMEngine(config, Executor(config, lambda: workers), tokenizer)
         assert not workers.inbox  # both ready stages consumed
         engines.append(engine)
         return engine, workers

@@ -9,7 +9,16 @@ usage, what was streamed, and the metrics. Only the plans differ.
 from __future__ import annotations
 
 import xxhash
-from fake_workers import NUM_BLOCKS, deltas_of, finished_of, in_plan, metric, prompt_ids, run
+from fake_workers import (
+    NUM_BLOCKS,
+    deltas_of,
+    finished_of,
+    in_plan,
+    metric,
+    prompt_ids,
+    run,
+    submit,
+)
 
 from nvllm.common.sampling_params import SamplingParams
 
@@ -37,7 +46,7 @@ def workload(engine) -> None:
         (shared + prompt_ids(140, 2), SamplingParams(max_tokens=6)),
     ]
     for i, (ids, params) in enumerate(specs):
-        engine.add_request(prompt_token_ids=ids, params=params, request_id=f"r{i}",
+        submit(engine, prompt_token_ids=ids, params=params, request_id=f"r{i}",
                            priority=i % 2)
 
 
@@ -93,7 +102,7 @@ def test_async_outputs_equal_synchronous_under_chunking_and_preemption(make_engi
 
 def test_plans_go_out_before_the_previous_result_is_applied(make_engine, tokenizer):
     engine, workers = make_engine(async_scheduling=True)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 5),
+    submit(engine, prompt_token_ids=prompt_ids(0, 5),
                        params=SamplingParams(max_tokens=8, ignore_eos=True))
     req = engine.requests[next(iter(engine.requests))]
     run(engine)
@@ -116,7 +125,7 @@ def test_no_token_is_computed_past_max_tokens(make_engine, tokenizer):
     for mode in (False, True):
         engine, workers = make_engine(async_scheduling=mode)
         for i in range(5):
-            engine.add_request(prompt_token_ids=prompt_ids(10 * i, 3 + i),
+            submit(engine, prompt_token_ids=prompt_ids(10 * i, 3 + i),
                                params=SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True))
         run(engine)
         computed.append(sum(r.num_new_tokens for p in workers.plans for r in p.running)
@@ -128,7 +137,7 @@ def test_eos_costs_one_discarded_decode_and_no_extra_token(make_engine, tokenize
     eos = tokenizer.eos_token_id
     engine, workers = make_engine(lambda sid, fs: eos if len(fs.token_ids) == 8 else 300,
                                   async_scheduling=True)
-    req = engine.add_request(prompt_token_ids=prompt_ids(0, 5),
+    req = submit(engine, prompt_token_ids=prompt_ids(0, 5),
                              params=SamplingParams(max_tokens=30))
     outs = run(engine)
     res = finished_of(outs, req.request_id)
@@ -143,10 +152,10 @@ def test_eos_costs_one_discarded_decode_and_no_extra_token(make_engine, tokenize
 
 def test_abort_with_a_token_in_flight(make_engine, tokenizer):
     engine, workers = make_engine(async_scheduling=True)
-    req = engine.add_request(prompt_token_ids=prompt_ids(0, 6),
+    req = submit(engine, prompt_token_ids=prompt_ids(0, 6),
                              params=SamplingParams(max_tokens=20, ignore_eos=True),
                              request_id="a")
-    other = engine.add_request(prompt_token_ids=prompt_ids(20, 6),
+    other = submit(engine, prompt_token_ids=prompt_ids(20, 6),
                                params=SamplingParams(max_tokens=20, ignore_eos=True))
     outs = [engine.step() for _ in range(3)]
     seq = req.seqs[0]

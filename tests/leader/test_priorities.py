@@ -26,6 +26,7 @@ from fake_workers import (
     prompt_ids,
     run,
     scripted,
+    submit,
 )
 from leader_sim import Sim, assert_no_leak, make_seq, toks
 
@@ -256,9 +257,9 @@ def test_random_priorities_under_kv_pressure_finish_without_leaks(make_psim, see
 
 def test_ttl_expires_while_waiting(make_engine):
     engine, workers = make_engine(max_num_seqs=1)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 5), params=SamplingParams(max_tokens=30),
+    submit(engine, prompt_token_ids=prompt_ids(0, 5), params=SamplingParams(max_tokens=30),
                        request_id="long")
-    short = engine.add_request(prompt_token_ids=prompt_ids(10, 5),
+    short = submit(engine, prompt_token_ids=prompt_ids(10, 5),
                                params=SamplingParams(max_tokens=5), request_id="ttl", ttl_ms=200)
     engine.step()
     assert short.seqs[0].status is SequenceStatus.WAITING  # max_num_seqs=1 keeps it out
@@ -278,9 +279,9 @@ def test_ttl_expires_while_waiting(make_engine):
 
 def test_ttl_expires_while_running_and_frees_blocks(make_engine):
     engine, workers = make_engine()
-    req = engine.add_request(prompt_token_ids=prompt_ids(0, 9),
+    req = submit(engine, prompt_token_ids=prompt_ids(0, 9),
                              params=SamplingParams(max_tokens=50), request_id="ttl", ttl_ms=300)
-    engine.add_request(prompt_token_ids=prompt_ids(20, 5), params=SamplingParams(max_tokens=50),
+    submit(engine, prompt_token_ids=prompt_ids(20, 5), params=SamplingParams(max_tokens=50),
                        request_id="other")
     engine.step()
     engine.step()
@@ -307,7 +308,7 @@ def test_ttl_is_validated(make_engine):
     engine, _ = make_engine()
     for bad in (0, -5, "1", True):
         with pytest.raises(RequestRejected):
-            engine.add_request(prompt_token_ids=[5], ttl_ms=bad)
+            submit(engine, prompt_token_ids=[5], ttl_ms=bad)
     assert not engine.requests
 
 
@@ -316,9 +317,9 @@ def test_ttl_is_validated(make_engine):
 
 def test_abort_mid_generation(make_engine):
     engine, workers = make_engine()
-    a = engine.add_request(prompt_token_ids=prompt_ids(0, 6),
+    a = submit(engine, prompt_token_ids=prompt_ids(0, 6),
                            params=SamplingParams(max_tokens=20), request_id="a")
-    engine.add_request(prompt_token_ids=prompt_ids(20, 6), params=SamplingParams(max_tokens=20),
+    submit(engine, prompt_token_ids=prompt_ids(20, 6), params=SamplingParams(max_tokens=20),
                        request_id="b")
     outs = [engine.step() for _ in range(3)]
     seq = a.seqs[0]
@@ -350,7 +351,7 @@ def test_abort_mid_generation(make_engine):
 
 def test_abort_releases_text_held_back_for_stop_strings(make_engine, tokenizer):
     engine, _ = make_engine()
-    req = engine.add_request(prompt_token_ids=prompt_ids(0, 4),
+    req = submit(engine, prompt_token_ids=prompt_ids(0, 4),
                              params=SamplingParams(max_tokens=20, stop=["never seen here"]),
                              request_id="a")
     outs = [engine.step() for _ in range(4)]
@@ -365,14 +366,14 @@ def test_abort_releases_text_held_back_for_stop_strings(make_engine, tokenizer):
 
 def test_max_queued_requests_overloads(make_engine):
     engine, _ = make_engine(max_queued_requests=1)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 4), params=SamplingParams(max_tokens=3),
+    submit(engine, prompt_token_ids=prompt_ids(0, 4), params=SamplingParams(max_tokens=3),
                        request_id="a")
     with pytest.raises(Overloaded) as e:
-        engine.add_request(prompt_token_ids=prompt_ids(10, 4), request_id="b")
+        submit(engine, prompt_token_ids=prompt_ids(10, 4), request_id="b")
     assert isinstance(e.value, RequestRejected) and "max_queued_requests=1" in str(e.value)
     assert "b" not in engine.requests
     engine.step()  # a runs: the queue is empty again
-    engine.add_request(prompt_token_ids=prompt_ids(10, 4), params=SamplingParams(max_tokens=3),
+    submit(engine, prompt_token_ids=prompt_ids(10, 4), params=SamplingParams(max_tokens=3),
                        request_id="b")
     outs = run(engine)
     assert finished_of(outs, "a").finish_reason == "length"
@@ -381,13 +382,13 @@ def test_max_queued_requests_overloads(make_engine):
 
 def test_max_queued_requests_counts_requests_not_completions(make_engine):
     engine, _ = make_engine(max_queued_requests=2)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 4),
+    submit(engine, prompt_token_ids=prompt_ids(0, 4),
                        params=SamplingParams(n=3, max_tokens=3), request_id="a")
     assert len(engine.scheduler.waiting) == 3  # three completions, one request
-    engine.add_request(prompt_token_ids=prompt_ids(10, 4), params=SamplingParams(max_tokens=3),
+    submit(engine, prompt_token_ids=prompt_ids(10, 4), params=SamplingParams(max_tokens=3),
                        request_id="b")
     with pytest.raises(Overloaded, match="2 requests are already waiting"):
-        engine.add_request(prompt_token_ids=prompt_ids(20, 4), request_id="c")
+        submit(engine, prompt_token_ids=prompt_ids(20, 4), request_id="c")
     run(engine)
 
 
@@ -397,7 +398,7 @@ def test_max_queued_requests_counts_requests_not_completions(make_engine):
 def test_stop_string_ends_the_completion_and_cuts_the_text(make_engine, tokenizer):
     choose, script = scripted(tokenizer, "Hello world, and more text here")
     engine, _ = make_engine(choose)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 4),
+    submit(engine, prompt_token_ids=prompt_ids(0, 4),
                        params=SamplingParams(max_tokens=30, stop=[", and"]), request_id="s")
     outs = run(engine)
     res = finished_of(outs, "s")
@@ -413,7 +414,7 @@ def test_stop_string_ends_the_completion_and_cuts_the_text(make_engine, tokenize
 def test_stop_string_included_when_asked(make_engine, tokenizer):
     choose, _ = scripted(tokenizer, "Hello world, and more text here")
     engine, _ = make_engine(choose)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 4),
+    submit(engine, prompt_token_ids=prompt_ids(0, 4),
                        params=SamplingParams(max_tokens=30, stop=[", and"],
                                              include_stop_str_in_output=True),
                        request_id="s")
@@ -425,7 +426,7 @@ def test_stop_string_in_the_prompt_does_not_stop(make_engine, tokenizer):
     choose, _ = scripted(tokenizer, " and more")
     engine, _ = make_engine(choose)
     prompt = tokenizer("stop here STOP", add_special_tokens=False).input_ids
-    engine.add_request(prompt_token_ids=prompt,
+    submit(engine, prompt_token_ids=prompt,
                        params=SamplingParams(max_tokens=len(tokenizer(" and more").input_ids),
                                              stop=["STOP"]),
                        request_id="s")
@@ -438,7 +439,7 @@ def test_eos_token_stops_without_showing_in_the_text(make_engine, tokenizer):
     choose, script = scripted(tokenizer, "Hello world<|endoftext|>")
     assert script[-1] == 0
     engine, _ = make_engine(choose)
-    engine.add_request(prompt_token_ids=prompt_ids(0, 4), params=SamplingParams(max_tokens=30),
+    submit(engine, prompt_token_ids=prompt_ids(0, 4), params=SamplingParams(max_tokens=30),
                        request_id="e")
     outs = run(engine)
     res = finished_of(outs, "e")
@@ -453,10 +454,10 @@ def test_metrics_count_a_known_workload(make_engine, tokenizer):
     choose, _ = scripted(tokenizer, "a b<|endoftext|>")  # EOS as the 3rd token
     engine, workers = make_engine(choose)
     p = SamplingParams
-    engine.add_request(prompt_token_ids=prompt_ids(0, 5), params=p(max_tokens=2), request_id="x")
-    engine.add_request(prompt_token_ids=prompt_ids(10, 7), params=p(max_tokens=10),
+    submit(engine, prompt_token_ids=prompt_ids(0, 5), params=p(max_tokens=2), request_id="x")
+    submit(engine, prompt_token_ids=prompt_ids(10, 7), params=p(max_tokens=10),
                        request_id="eos")
-    engine.add_request(prompt_token_ids=prompt_ids(20, 9), params=p(max_tokens=10),
+    submit(engine, prompt_token_ids=prompt_ids(20, 9), params=p(max_tokens=10),
                        request_id="ab")
     engine.step()  # all three prefill and sample one token each
     engine.abort_request("ab")
@@ -480,7 +481,7 @@ def test_metrics_count_preemptions_and_recomputed_prompts(make_engine):
     engine, workers = make_engine(num_kv_blocks=4, enable_prefix_caching=False)
     assert workers.num_kv_blocks == 4 and engine.capacity_tokens == 16
     for rid, start in (("a", 0), ("b", 10)):
-        engine.add_request(prompt_token_ids=prompt_ids(start, 4),
+        submit(engine, prompt_token_ids=prompt_ids(start, 4),
                            params=SamplingParams(max_tokens=6), request_id=rid)
     outs = run(engine)
     assert engine.scheduler.num_preemptions == 1
@@ -501,7 +502,7 @@ def test_metrics_count_preemptions_and_recomputed_prompts(make_engine):
 def test_n2_gives_two_completions(make_engine, tokenizer):
     words = [tokenizer(w, add_special_tokens=False).input_ids[0] for w in (" the", " fox")]
     engine, workers = make_engine(lambda sid, fs: words[sid % 2])
-    req = engine.add_request(prompt_token_ids=prompt_ids(0, 6),
+    req = submit(engine, prompt_token_ids=prompt_ids(0, 6),
                              params=SamplingParams(n=2, max_tokens=3), request_id="n2")
     assert [s.index for s in req.seqs] == [0, 1]
     outs = run(engine)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol as protocol
 from nvllm.leader.engine import LLMEngine
 
 BLOCK = 4
@@ -37,6 +37,7 @@ class FakeWorkers:
     """
 
     num_workers = 1
+    pids: list[int] = []
 
     def __init__(self, choose) -> None:
         self.dead = None
@@ -48,6 +49,17 @@ class FakeWorkers:
         self.num_recvs = 0
         # Per plan: how many messages the engine had received when it sent the plan.
         self.recvs_before_plan: list[int] = []
+
+    @property
+    def client(self) -> FakeWorkers:
+        """As a worker group handle (Executor's start_group): its own client."""
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def check_alive(self):
+        return self.dead
 
     def broadcast(self, msg) -> int:
         data = protocol.encode(msg)
@@ -95,6 +107,11 @@ class FakeWorkers:
                 tokens.append(self.choose(sid, fs))
                 fs.token_ids.append(tokens[-1])  # workers keep what they sample
         return protocol.StepResult(plan.step_id, seq_ids, tokens, None, 0.001)
+
+
+def submit(engine: LLMEngine, prompt=None, params=None, **kwargs):
+    """Process and admit a request, as LLM.generate does."""
+    return engine.add_request(engine.input_processor.process(prompt, params, **kwargs))
 
 
 def prompt_ids(start: int, n: int) -> list[int]:

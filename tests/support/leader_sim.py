@@ -1,11 +1,12 @@
 """Shared helpers for the leader tests: a Scheduler + KVCacheManager simulator (``Sim``).
 
-``Sim`` drives the real Scheduler and KVCacheManager the way ``LLMEngine.step`` does, with
-a fake model that samples a deterministic token whenever a sequence's last token has been
-computed. Every step it checks the scheduler's contract (budget, seq cap, decodes before
-admissions, victims taken from the most recently admitted end), that each sequence reads
-only KV of its own prefix and writes only blocks it owns, and that every block's ref count
-matches the block tables that hold it.
+``Sim`` drives the real Scheduler and KVCacheManager the way ``LLMEngine.step`` does
+(``schedule``, then ``update_from_output`` with a result), with a fake model that
+samples a deterministic token for every sequence the step samples. Every step it checks
+the scheduler's contract (budget, seq cap, decodes before admissions, victims taken from
+the most recently admitted end), that each sequence reads only KV of its own prefix and
+writes only blocks it owns, and that every block's ref count matches the block tables
+that hold it.
 
 Importable as ``leader_sim`` because setup.cfg puts tests/support on pytest's pythonpath.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.worker_protocol import StepResult
 from nvllm.leader.kv_cache_manager import KVCacheManager
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
 from nvllm.leader.sequence import Sequence, SequenceStatus
@@ -78,16 +80,16 @@ class Sim:
         self._check_contract(out, running_before, waiting_before)
         for seq, n in out.scheduled:
             if seq.seq_id in waiting_before:
-                self.admitted.append((seq, seq.num_computed_tokens))
+                self.admitted.append((seq, seq.num_computed_tokens - n))
             self._check_reads_and_writes(seq, n)
-        for seq, n in out.scheduled:  # what LLMEngine._apply_result does
-            seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(fake_token(seq))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self.last_table[seq.seq_id] = list(seq.block_table)
-                    sched.finish(seq, "length")
+        sampled = [(seq, fake_token(seq)) for seq, _ in out.scheduled
+                   if seq.seq_id in out.sampling_seq_ids]
+        tables = {seq.seq_id: list(seq.block_table) for seq, _ in sampled}
+        result = StepResult(0, [s.seq_id for s, _ in sampled], [t for _, t in sampled], None,
+                            0.0)
+        for u in sched.update_from_output(out, result):
+            if u.finish_reason is not None:
+                self.last_table[u.seq.seq_id] = tables[u.seq.seq_id]
         self.check_ref_counts()
         self.outs.append(out)
         return out
@@ -129,7 +131,8 @@ class Sim:
         assert sched.running == still + [s for s, _ in out.scheduled[n_old:]]
 
     def _check_reads_and_writes(self, seq: Sequence, n: int) -> None:
-        done, table = seq.num_computed_tokens, seq.block_table
+        # The scheduler already counts this step's tokens as computed.
+        done, table = seq.num_computed_tokens - n, seq.block_table
         assert n >= 1 and done + n <= seq.num_tokens
         assert len(table) * BS >= done + n, "no slot for a scheduled token"
         for i in range(cdiv(done, BS)):  # reads: the KV of exactly our own prefix
@@ -137,7 +140,10 @@ class Sim:
             assert self.kv_content.get(table[i]) == want, f"seq {seq.seq_id} reads wrong KV"
         for i in range(done // BS, cdiv(done + n, BS)):  # writes: only into our own blocks
             block = self.kv.pool.blocks[table[i]]
-            assert block.ref_cnt == 1 and block.block_hash is None, "write into a shared block"
+            # Cached already only by this step's own caching (of exactly these tokens).
+            cached_ours = block.token_ids == tuple(seq.token_ids[i * BS:(i + 1) * BS])
+            assert block.ref_cnt == 1 and (block.block_hash is None or cached_ours), \
+                "write into a shared block"
             self.kv_content[table[i]] = tuple(seq.token_ids[:min((i + 1) * BS, done + n)])
 
     def check_ref_counts(self) -> None:

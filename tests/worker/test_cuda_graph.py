@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.config import EngineConfig
 from nvllm.worker.cuda_graph import capture_sizes
 from nvllm.worker.model_runner import ModelRunner

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.zmq_utils import bind_random, make_socket
 from nvllm.worker.main import PlanConnectionWatch, PlanReader
 

@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from nvllm.common.protocol import WorkerSampling
+from nvllm.common.worker_protocol import WorkerSampling
 from nvllm.worker.sampler import Sampler, SampleRequest
 
 

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from nvllm.common import protocol
+from nvllm.common import worker_protocol as protocol
 from nvllm.common.config import EngineConfig
 
 pytestmark = pytest.mark.e2e

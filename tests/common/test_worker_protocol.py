@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from nvllm.common.errors import ProtocolError
-from nvllm.common.protocol import (
+from nvllm.common.worker_protocol import (
     MESSAGES,
     InitKVCache,
     NewSeq,

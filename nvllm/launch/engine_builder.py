@@ -1,0 +1,51 @@
+"""``build_engine``: the one way an engine is put together, for ``LLM`` and ``nvllm-launch``.
+
+It wires what the leader package may not import itself: the worker-group launcher
+(nvllm/launch/spawn.py), the shared-memory plan ring, and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nvllm.common.config import DistConfig, EngineConfig
+from nvllm.common.transport import ArrayWriter, TransportError
+from nvllm.launch.spawn import start_worker_group
+from nvllm.leader.engine import LLMEngine
+from nvllm.leader.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEngine:
+    """Start the workers `config` describes (placed as `dist` says; default: all on this
+    host), wait until their KV cache is allocated, and return the engine driving them.
+    The caller owns it: ``engine.shutdown()`` stops the workers."""
+    from transformers import AutoTokenizer
+
+    dist = dist or DistConfig()
+    if config.model_info is None:
+        config.finalize()
+    if config.restart_workers and dist.uses_store:
+        raise ValueError("restart_workers needs every worker on this node: workers on "
+                         "other nodes are restarted by their own launcher, not the leader")
+    tokenizer = (None if config.skip_tokenizer_init
+                 else AutoTokenizer.from_pretrained(config.model))
+    plan_writer = None
+    if config.plan_shm and not dist.uses_store:  # every rank is local
+        try:
+            plan_writer = ArrayWriter("shm", capacity_bytes=config.plan_shm_mib << 20,
+                                      timeout_s=0.0)
+        except TransportError as e:
+            logger.warning("plans travel as lists: %s", e)
+    try:
+        executor = Executor(config, lambda: start_worker_group(config, dist), plan_writer)
+    except BaseException:
+        if plan_writer is not None:
+            plan_writer.close()
+        raise
+    try:
+        return LLMEngine(config, executor, tokenizer)
+    except BaseException:
+        executor.shutdown()
+        raise

@@ -1,0 +1,98 @@
+"""The one way into the engine: turn what a caller asked for into a checked ``Request``.
+
+``LLM.generate`` calls it directly and the ZMQ server calls it for each ``Submit``
+message (the HTTP gateway's requests arrive as those). It tokenizes, checks the request
+against the engine's limits and builds the request's n sequences; it reads no scheduler
+state, so a request that fails here has changed nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from nvllm.common.config import EngineConfig
+from nvllm.common.errors import RequestRejected
+from nvllm.common.sampling_params import SamplingParams
+from nvllm.leader.request import Request
+from nvllm.leader.sequence import Sequence
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, capacity_tokens: int) -> None:
+        assert config.model_info is not None, "EngineConfig.finalize() first"
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model_info.vocab_size
+        self.eos_token_ids = list(config.model_info.eos_token_ids)
+        self.capacity_tokens = capacity_tokens
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+
+    def process(self, prompt: str | list[int] | None = None,
+                params: SamplingParams | None = None, request_id: str | None = None,
+                prompt_token_ids: list[int] | None = None, priority: int = 0,
+                ttl_ms: float | None = None) -> Request:
+        """A request ready to admit, or RequestRejected saying which limit it breaks."""
+        params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestRejected(f"priority must be an integer, got {type(priority).__name__}")
+        if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
+                                   or isinstance(ttl_ms, bool) or not 0 < ttl_ms < math.inf):
+            raise RequestRejected("ttl_ms must be a positive number")
+        text = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise RequestRejected("the engine was started without a tokenizer "
+                                          "(skip_tokenizer_init): pass prompt token ids")
+                text = prompt
+                prompt_token_ids = self.tokenizer(prompt).input_ids
+            else:
+                prompt_token_ids = prompt
+        ids = self._validate(prompt_token_ids, params)
+        params = params.clone(eos_token_ids=self.eos_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise RequestRejected("stop strings need a tokenizer (the engine has none)")
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+        req = Request(request_id, text, ids, params, priority=priority)
+        if ttl_ms is not None:
+            req.deadline = req.arrival_time + ttl_ms / 1000.0
+        for i in range(params.n):
+            # Seeded completions of one request draw from consecutive seeds.
+            p = params if params.n == 1 or params.seed is None else params.clone(
+                seed=(params.seed + i) % 2**63)
+            req.seqs.append(Sequence(next(self._seq_ids), request_id, list(ids), len(ids), p,
+                                     index=i, priority=priority))
+        return req
+
+    def _validate(self, ids: Any, params: SamplingParams) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise RequestRejected("prompt is empty: give at least one token")
+        for pos, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                shown = t if isinstance(t, int) else f"of type {type(t).__name__}"
+                raise RequestRejected(
+                    f"token id {shown} at position {pos} is outside the vocabulary "
+                    f"(valid ids are 0..{self.vocab_size - 1})")
+        if params.n > self.config.max_num_seqs:
+            # Its completions could never run together (and a huge n is a cheap way to
+            # make the leader build millions of sequences).
+            raise RequestRejected(f"n={params.n} exceeds max_num_seqs "
+                                  f"{self.config.max_num_seqs}; ask for fewer completions")
+        n, limit = len(ids), self.config.max_model_len
+        if n > limit:
+            raise RequestRejected(f"prompt has {n} tokens, max_model_len is {limit}")
+        if n + params.max_tokens > limit:
+            raise RequestRejected(
+                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
+                f"{params.max_tokens} exceeds max_model_len {limit}; lower max_tokens to "
+                f"{limit - n} or less")
+        if n + params.max_tokens > self.capacity_tokens:
+            raise RequestRejected(
+                f"prompt has {n} tokens and max_tokens is {params.max_tokens}, but the KV "
+                f"cache holds only {self.capacity_tokens} tokens in all; raise num_kv_blocks "
+                "(or the KV memory budget) or shorten the request")
+        return list(ids)

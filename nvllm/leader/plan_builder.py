@@ -1,0 +1,49 @@
+"""Scheduler output -> the step plan every worker executes.
+
+Workers keep each sequence's state, so a plan carries only differences: a sequence the
+workers do not hold yet (new, or resumed after preemption) travels whole as a ``NewSeq``;
+a running one as a ``RunningSeq`` delta (tokens to compute, blocks added since the last
+plan; no token ids, the workers append the tokens they sample themselves).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from nvllm.common import worker_protocol
+from nvllm.common.sampling_params import SamplingParams
+from nvllm.leader.scheduler import SchedulerOutput
+
+
+def to_worker_sampling(p: SamplingParams) -> worker_protocol.WorkerSampling:
+    return worker_protocol.WorkerSampling(
+        temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k,
+        min_p=float(p.min_p), seed=p.seed, min_tokens=p.min_tokens,
+        stop_token_ids=sorted(p.all_stop_token_ids()),
+        repetition_penalty=float(p.repetition_penalty),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty), logprobs=p.logprobs)
+
+
+class PlanBuilder:
+    def __init__(self) -> None:
+        self._step_ids = itertools.count(1)
+
+    def build(self, sched: SchedulerOutput, finished_seq_ids: list[int]
+              ) -> worker_protocol.StepPlan:
+        """The plan for `sched` (whose computed counts the scheduler already advanced);
+        marks its sequences as held by the workers."""
+        new_seqs, running = [], []
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens - n
+            if not seq.on_worker:
+                new_seqs.append(worker_protocol.NewSeq(
+                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, start, n,
+                    list(seq.block_table), to_worker_sampling(seq.params)))
+                seq.on_worker = True
+            else:
+                running.append(worker_protocol.RunningSeq(
+                    seq.seq_id, n, seq.block_table[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(seq.block_table)
+        return worker_protocol.StepPlan(next(self._step_ids), new_seqs, running,
+                                        finished_seq_ids)

@@ -1,0 +1,40 @@
+"""A request: one prompt, its n sequences, and what its outputs need so far."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from nvllm.common.sampling_params import SamplingParams
+from nvllm.leader.detokenizer import IncrementalDetokenizer
+from nvllm.leader.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Built by the InputProcessor; its sequences belong to the Scheduler, the per-completion
+    output state (detokenizers, logprobs, finish reasons) to the OutputProcessor."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time after which it ends with "timeout"
+    # Per completion (index = Sequence.index), written by the OutputProcessor.
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    logprobs: list[list | None] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    last_token_time: list[float] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every completion has sent its final delta."""
+        return all(r is not None for r in self.finish_reasons)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.seqs[0].num_cached_tokens if self.seqs else 0

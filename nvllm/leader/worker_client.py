@@ -1,0 +1,241 @@
+"""The leader's sockets to one worker group: send plans, receive results, watch liveness.
+
+One PUSH socket per worker (every rank gets every plan; one serialization, N sends) and
+one PULL socket that all ranks push to (rank 0's results, every rank's ready and error
+messages). The leader never blocks on a receive for long: between short polls it asks
+whether every worker still lives: the launcher's process check for local workers, and
+for every rank (local or on another node) the heartbeats a background thread answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+from nvllm.common import worker_protocol
+from nvllm.common.errors import EngineDeadError, ProtocolError
+from nvllm.common.zmq_utils import bind_random, curve_server, curve_server_keys, make_socket
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+CANCEL_POLL_MS = 20  # how soon a deferred Ctrl-C is noticed while waiting
+# Leader and worker frames are small; anything bigger than this is hostile or broken.
+MAX_WORKER_FRAME_BYTES = 256 << 20
+
+
+class HeartbeatMonitor:
+    """Answers the workers' heartbeats on a ROUTER socket from its own thread, so a busy
+    leader still answers, and records when each rank was last heard from.
+
+    A rank is judged only after its first heartbeat (start-up has its own timeout); from
+    then on, `timeout_s` of silence means the process is dead, stopped, or unreachable.
+    A killed process is found sooner: each rank's plan socket has exactly one peer, so a
+    disconnect seen by that socket's monitor that is not undone within DISCONNECT_GRACE_S
+    names the rank at once.
+    """
+
+    DISCONNECT_GRACE_S = 1.0
+
+    def __init__(self, ctx: zmq.Context, num_workers: int, host: str, timeout_s: float,
+                 secure: Callable[[zmq.Socket], None] = lambda s: None,
+                 per_rank: list[zmq.Socket] = ()) -> None:
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.last_seen: dict[int, float] = {}
+        self.where: dict[int, str] = {}
+        self.disconnected: dict[int, float] = {}
+        self._sock = make_socket(ctx, zmq.ROUTER, max_msg_bytes=4096)
+        secure(self._sock)
+        self.endpoint = bind_random(self._sock, host)
+        self._monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+                          for s in per_rank]
+        self._stop = threading.Event()
+        self._last_loop = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeats")
+        self._thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        sock = self._sock
+        poller = zmq.Poller()
+        for s in (sock, *self._monitors):
+            poller.register(s, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(POLL_MS))
+            now = time.monotonic()
+            if now - self._last_loop > self.timeout_s / 2:
+                # This thread did not run (the leader was stopped or starved): the silence
+                # is ours, so every rank gets a fresh timeout instead of a verdict.
+                for rank in self.last_seen:
+                    self.last_seen[rank] = now
+            self._last_loop = now
+            for rank, mon in enumerate(self._monitors):
+                if mon in ready:
+                    event = recv_monitor_message(mon)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        self.disconnected[rank] = time.monotonic()
+                    else:
+                        self.disconnected.pop(rank, None)
+            if sock not in ready:
+                continue
+            frames = sock.recv_multipart()
+            try:
+                rank, pid, host = msgpack.unpackb(frames[-1], raw=False)
+                if not (isinstance(rank, int) and 0 <= rank < self.num_workers):
+                    raise ValueError(f"rank {rank!r} out of range")
+            except Exception as e:  # garbage from a stray peer: log, never crash
+                logger.warning("dropping a malformed heartbeat: %s", e)
+                continue
+            if rank not in self.last_seen:
+                self.where[rank] = f"pid {pid} on {host}"
+            self.last_seen[rank] = time.monotonic()
+            try:
+                sock.send_multipart([frames[0], b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for s in (sock, *self._monitors):
+            s.close(0)
+
+    def silent(self) -> dict[int, str]:
+        """rank -> why it counts as dead, for every rank that does."""
+        now, dead = time.monotonic(), {}
+        if now - self._last_loop > self.timeout_s / 2:
+            return dead  # our own thread has not run lately: no verdict on anyone yet
+        for rank, seen in list(self.last_seen.items()):
+            if now - seen > self.timeout_s:
+                dead[rank] = (f"worker rank {rank} ({self.where.get(rank, '?')}) sent no "
+                              f"heartbeat for {now - seen:.1f} s: it is hung, stopped, or "
+                              "its host is unreachable")
+        for rank, when in list(self.disconnected.items()):
+            if now - when > self.DISCONNECT_GRACE_S:
+                dead[rank] = (f"worker rank {rank} ({self.where.get(rank, '?')}) "
+                              "disconnected: its process exited or its host is unreachable")
+        return dead
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class WorkerGroupClient:
+    def __init__(self, num_workers: int, host: str = "127.0.0.1",
+                 heartbeat_timeout_s: float = 4.0, curve_key_dir: str | None = None) -> None:
+        """With `curve_key_dir`, every socket is a CURVE server admitting only the keys in
+        DIR/clients (workers connect with DIR/client.key_secret)."""
+        self.ctx = zmq.Context()
+        self.num_workers = num_workers
+        self.plan_socks = [make_socket(self.ctx, zmq.PUSH) for _ in range(num_workers)]
+        self.result_sock = make_socket(self.ctx, zmq.PULL, max_msg_bytes=MAX_WORKER_FRAME_BYTES)
+        self._auth = None
+
+        def secure(sock: zmq.Socket) -> None:
+            if curve_key_dir is None:
+                return
+            if self._auth is None:
+                self._auth = curve_server(self.ctx, sock, curve_key_dir)
+            else:
+                curve_server_keys(sock, curve_key_dir)
+
+        for s in (*self.plan_socks, self.result_sock):
+            secure(s)
+        self.plan_endpoints = [bind_random(s, host) for s in self.plan_socks]
+        self.result_endpoint = bind_random(self.result_sock, host)
+        self.heartbeats = HeartbeatMonitor(self.ctx, num_workers, host, heartbeat_timeout_s,
+                                           secure, self.plan_socks)
+        # The launcher's process check: rank -> how it died, for its local workers.
+        self.liveness_check: Callable[[], dict[int, str]] = dict
+        self.dead: str | None = None
+        self._closed = False
+
+    @property
+    def heartbeat_endpoint(self) -> str:
+        return self.heartbeats.endpoint
+
+    def check_alive(self) -> str | None:
+        """None while every rank lives; else what died (and the group stays dead)."""
+        if self.dead is None:
+            died = self._dead_ranks()
+            if died:
+                self.dead = died[min(died)]
+                logger.error("%s", self.dead)
+        return self.dead
+
+    def _dead_ranks(self) -> dict[int, str]:
+        # A process exit names the rank with its exit code: it wins over heartbeat silence.
+        return {**self.heartbeats.silent(), **self.liveness_check()}
+
+    def broadcast(self, msg: Any) -> int:
+        self._check_dead()
+        data = worker_protocol.encode(msg)
+        for sock in self.plan_socks:
+            sock.send(data, copy=False)
+        return len(data)
+
+    def recv(self, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> Any:
+        """Next message from any worker; raises EngineDeadError on death or timeout, and
+        KeyboardInterrupt, before taking a message, once `cancelled()` is true."""
+        self._check_dead()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if cancelled is not None and cancelled():
+                raise KeyboardInterrupt
+            if self.result_sock.poll(POLL_MS if cancelled is None else CANCEL_POLL_MS):
+                data = self.result_sock.recv()
+                try:
+                    msg = worker_protocol.decode(data)
+                except ProtocolError as e:
+                    logger.error("dropping malformed frame from a worker: %s", e)
+                    continue
+                if isinstance(msg, worker_protocol.WorkerError):
+                    error = (f"worker rank {msg.rank} failed at step {msg.step_id}: "
+                             f"{msg.message}\n{msg.traceback}")
+                    # A peer's death surfaces on the survivors as a collective error;
+                    # name the root cause first.
+                    died = self._death_within(HeartbeatMonitor.DISCONNECT_GRACE_S + 0.5,
+                                              msg.rank)
+                    self.dead = error if died is None else f"{died}; then {error}"
+                    logger.error("%s", self.dead)
+                    raise EngineDeadError(self.dead)
+                return msg
+            if self.check_alive() is not None:
+                raise EngineDeadError(self.dead)
+            if time.monotonic() > deadline:
+                # The watchdog: a step that never finishes is an error, not a hang.
+                self.dead = (f"no answer from the workers within {timeout_s:.0f} s (a stuck "
+                             "step or collective); raise step_timeout_s if steps are that slow")
+                logger.error("%s", self.dead)
+                raise EngineDeadError(self.dead)
+
+    def _death_within(self, grace_s: float, reporter: int) -> str | None:
+        """Another rank's death within grace_s (the reporter exits on purpose)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            died = {r: d for r, d in self._dead_ranks().items() if r != reporter}
+            if died:
+                return died[min(died)]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _check_dead(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.heartbeats.close()
+        for s in (*self.plan_socks, self.result_sock):
+            s.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
