@@ -37,7 +37,7 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
                   curve_key_dir: str | None, dist) -> None:
     """Refuse an unauthenticated non-loopback bind before anything is loaded."""
     from nvllm.common.zmq_utils import check_curve_bind
-    from nvllm.launch.http_gateway import check_http_host
+    from nvllm.launch.openai.cli import check_http_host
     from nvllm.launch.spawn import check_worker_bind
 
     try:
@@ -229,7 +229,7 @@ def launch(model, tp, device, dtype, block_size, max_num_seqs, max_num_batched_t
         click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
         gateway = None
         if http_port is not None:
-            from nvllm.launch.http_gateway import start_gateway_process
+            from nvllm.launch.openai.cli import start_gateway_process
 
             gateway = start_gateway_process(server.endpoint, http_host, http_port,
                                             served_model_name, api_key=api_key,
