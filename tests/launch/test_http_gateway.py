@@ -45,7 +45,7 @@ def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str, list
 
 @pytest.fixture(scope="module")
 def server(tiny, procs, tmp_path_factory):
-    from nvllm.launch.http_gateway import start_gateway_process
+    from nvllm.launch.openai.cli import start_gateway_process
 
     model = tiny("qwen3")
     logs = tmp_path_factory.mktemp("gateway-logs")
@@ -353,7 +353,7 @@ def test_disconnected_clients_abort_their_requests(server):
 def test_api_key(server):
     from fastapi.testclient import TestClient
 
-    from nvllm.launch.http_gateway import GatewayConfig, create_app
+    from nvllm.launch.openai.app import GatewayConfig, create_app
 
     app = create_app(GatewayConfig(server.endpoint, MODEL_NAME, api_key="sekret"))
     with TestClient(app) as c:
@@ -368,7 +368,7 @@ def test_api_key(server):
 def test_health_503_when_the_leader_does_not_answer():
     from fastapi.testclient import TestClient
 
-    from nvllm.launch.http_gateway import GatewayConfig, create_app
+    from nvllm.launch.openai.app import GatewayConfig, create_app
 
     app = create_app(GatewayConfig(f"tcp://127.0.0.1:{free_port()}"))
     with TestClient(app) as c:
@@ -411,7 +411,7 @@ def test_metrics_move_with_a_known_workload(server, tokenizer):
 
 
 def test_non_loopback_http_needs_an_api_key():
-    from nvllm.launch.http_gateway import check_http_host, start_gateway_process
+    from nvllm.launch.openai.cli import check_http_host, start_gateway_process
 
     dead = f"tcp://127.0.0.1:{free_port()}"
     for host in ("0.0.0.0", "::", "192.0.2.1"):
@@ -420,7 +420,7 @@ def test_non_loopback_http_needs_an_api_key():
     check_http_host("0.0.0.0", "a-key")
     check_http_host("localhost", None)
     env = {k: v for k, v in os.environ.items() if k != "NVLLM_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "nvllm.launch.http_gateway", "--endpoint", dead,
+    out = subprocess.run([sys.executable, "-m", "nvllm.launch.openai", "--endpoint", dead,
                           "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.returncode == 2 and "--api-key" in out.stderr, out.stderr
@@ -428,7 +428,7 @@ def test_non_loopback_http_needs_an_api_key():
 
 
 def test_api_key_reaches_the_gateway_process_but_not_its_argv():
-    from nvllm.launch.http_gateway import start_gateway_process
+    from nvllm.launch.openai.cli import start_gateway_process
 
     port = free_port()
     gateway = start_gateway_process(f"tcp://127.0.0.1:{free_port()}", "127.0.0.1", port,

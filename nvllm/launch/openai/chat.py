@@ -1,0 +1,108 @@
+"""``POST /v1/chat/completions``: the messages go through the model's chat template here
+(from its tokenizer) and reach the leader as token ids; ``n`` completions, as one
+``chat.completion`` or a stream of ``chat.completion.chunk`` objects."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from nvllm.common.outputs import CompletionDelta
+from nvllm.launch.openai import fanout
+from nvllm.launch.openai.errors import ApiError
+from nvllm.launch.openai.logprobs import chat_logprobs
+from nvllm.launch.openai.schemas import ChatBody, leader_params, parse_body
+from nvllm.launch.openai.sse import Envelope, stream_fanout
+from nvllm.launch.openai.state import GatewayState
+
+router = APIRouter()
+
+
+def _messages(body: ChatBody) -> list[dict]:
+    """The messages as the chat template takes them (text content parts joined)."""
+    messages = []
+    for j, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise ApiError(400, "only text content parts are supported",
+                               param=f"messages.{j}.content", code="unsupported")
+            content = "\n".join(part.text or "" for part in content)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        messages.append(msg)
+    return messages
+
+
+def _prompt_ids(tok: Any, body: ChatBody) -> list[int]:
+    """The chat template applied to the messages, as token ids."""
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "the model's tokenizer has no chat template",
+                       param="messages", code="no_chat_template")
+    messages = _messages(body)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False,
+                                       add_generation_prompt=body.add_generation_prompt,
+                                       **(body.chat_template_kwargs or {}))
+    except Exception as e:
+        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages",
+                       code="chat_template_error") from e
+    # The template already holds the special tokens it wants: encode without adding
+    # more (a second BOS), and send ids so the leader does not tokenize it again.
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    body = await parse_body(request, ChatBody, state)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                       code="invalid_value")
+    prompt_ids = _prompt_ids(await state.tokenizer(), body)
+    limit = int((await state.info()).get("max_model_len") or 0)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(
+        1, limit - len(prompt_ids))  # OpenAI's default: up to the context length
+    lp = (body.top_logprobs or 0) if body.logprobs else None
+    job = fanout.Job(prompt_ids, leader_params(body, lp, max_tokens), body.priority,
+                     body.ttl_ms)
+    tokens = await state.tokens() if body.logprobs else None
+    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",
+                        int(time.time()), await state.served_name())
+    try:
+        fan = await fanout.start(request, state.client, [job])
+    except fanout.Disconnected:
+        return Response(status_code=499)
+
+    def logprobs(ids: list[int], lps: list | None) -> dict | None:
+        if tokens is None:
+            return None
+        return chat_logprobs(tokens, ids, lps or [None] * len(ids), body.top_logprobs or 0)
+
+    if body.stream:
+        def choice(_: int, d: CompletionDelta) -> dict:
+            return {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                    "logprobs": logprobs(d.token_ids, d.logprobs),
+                    "finish_reason": d.finish_reason}
+
+        roles = [{"index": k, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None} for k in range(body.n)]
+        return stream_fanout(fan, envelope, choice, include_usage=body.include_usage,
+                             with_token_ids=tokens is not None, first_choices=roles)
+
+    try:
+        accs = await fanout.await_leader(request, fan, fanout.collect(fan))
+    except fanout.Disconnected:
+        return Response(status_code=499)
+    choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
+                "logprobs": logprobs(a.token_ids, a.logprobs),
+                "finish_reason": a.finish_reason}
+               for (_, k), a in sorted(accs.items())]
+    reply = dataclasses.replace(envelope, object="chat.completion")
+    return JSONResponse(reply(choices, usage=fanout.usage(accs)))

@@ -1,0 +1,100 @@
+"""Running the gateway: ``nvllm-serve`` (``main``), ``start_gateway_process`` for
+nvllm-launch and tests, and the check that a non-loopback bind has an API key."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import click
+
+from nvllm.common.proc import die_with_parent, set_process_title
+from nvllm.common.zmq_utils import is_loopback, load_client_keys
+
+
+def check_http_host(host: str, api_key: str | None) -> None:
+    """Refuse to expose the HTTP API beyond this machine without a key."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(f"binding the HTTP gateway to {host} needs authentication: pass "
+                         "--api-key KEY (or set NVLLM_API_KEY); clients then send "
+                         "'Authorization: Bearer KEY'")
+
+
+def start_gateway_process(endpoint: str, host: str, port: int, model_name: str | None = None,
+                          *, api_key: str | None = None, curve_key_dir: str | None = None,
+                          log_level: str = "warning", **popen_kwargs: Any) -> subprocess.Popen:
+    """Start ``python -m nvllm.launch.openai`` attached to `endpoint`; the caller owns
+    the process (terminate it, then wait). Raises ValueError at once (no process) for a
+    non-loopback `host` without `api_key`."""
+    check_http_host(host, api_key)
+    cmd = [sys.executable, "-m", "nvllm.launch.openai", "--endpoint", endpoint,
+           "--host", host, "--port", str(port), "--log-level", log_level]
+    if model_name:
+        cmd += ["--model-name", model_name]
+    if curve_key_dir:
+        cmd += ["--curve-key-dir", str(curve_key_dir)]
+    env = dict(popen_kwargs.pop("env", None) or os.environ, NVLLM_PARENT_PID=str(os.getpid()))
+    if api_key:  # by environment, not argv: ps shows every user a process's arguments
+        env["NVLLM_API_KEY"] = api_key
+    return subprocess.Popen(cmd, env=env, **popen_kwargs)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections made before uvicorn's loop runs wait in the backlog
+    return sock
+
+
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--endpoint", required=True,
+              help="The leader's client endpoint (nvllm-launch prints it: tcp://HOST:PORT).")
+@click.option("--host", default="127.0.0.1",
+              help="HTTP bind address (loopback by default; any other needs --api-key).")
+@click.option("--port", default=8000, type=int, help="HTTP port (0: any free port).")
+@click.option("--model-name", default=None,
+              help="Model name clients use (default: the leader's model path).")
+@click.option("--api-key", default=None, envvar="NVLLM_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/*.")
+@click.option("--tokenizer", default=None,
+              help="Tokenizer path for chat templates and logprob tokens (default: the "
+                   "leader's model path).")
+@click.option("--curve-key-dir", default=None, envvar="NVLLM_CURVE_KEY_DIR",
+              type=click.Path(exists=True, file_okay=False),
+              help="CURVE keys for a leader started with --curve-key-dir: this folder's "
+                   "server.key and client.key_secret (env NVLLM_CURVE_KEY_DIR).")
+@click.option("--log-level", default="info",
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: str | None,
+         tokenizer: str | None, curve_key_dir: str | None, log_level: str) -> None:
+    """OpenAI-compatible HTTP server for a running nvllm engine."""
+    try:
+        check_http_host(host, api_key)
+        if curve_key_dir:
+            load_client_keys(curve_key_dir)  # fail here, not in the app's startup
+    except (OSError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    set_process_title("nvllm-http")
+    if os.environ.get("NVLLM_PARENT_PID"):  # started by nvllm-launch: go when it goes
+        die_with_parent(int(os.environ["NVLLM_PARENT_PID"]))
+    import uvicorn
+
+    from nvllm.launch.openai.app import GatewayConfig, create_app
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s nvllm-serve %(levelname)s %(message)s")
+    app = create_app(GatewayConfig(endpoint, model_name, api_key, tokenizer, curve_key_dir))
+    sock = _bind(host, port)
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"nvllm-serve on http://{shown}:{sock.getsockname()[1]} -> {endpoint}")
+    sys.stdout.flush()
+    server.run(sockets=[sock])

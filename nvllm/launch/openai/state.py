@@ -1,0 +1,86 @@
+"""The gateway's configuration and shared state: one leader connection, the leader's info
+(fetched once), the served model name, and the tokenizer (loaded on first use)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from nvllm.common.client import AsyncClient
+from nvllm.launch.openai.errors import ApiError
+from nvllm.launch.openai.tokens import TokenText
+
+CONTROL_TIMEOUT_S = 10.0  # info / metrics: the leader answers these between engine steps
+
+
+@dataclass
+class GatewayConfig:
+    endpoint: str
+    model_name: str | None = None
+    api_key: str | None = None
+    tokenizer: str | None = None  # default: the path in the leader's info()["model"]
+    curve_key_dir: str | None = None  # CURVE keys for the leader connection
+
+
+class GatewayState:
+    """What every route shares; ``client`` opens with the app (its lifespan)."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.client: AsyncClient | None = None
+        self._info: dict | None = None
+        self._tokenizer: Any = None
+        self._tokens: TokenText | None = None
+        self._lock = asyncio.Lock()
+
+    async def info(self) -> dict:
+        if self._info is None:
+            try:
+                info = await asyncio.wait_for(self.client.info(), CONTROL_TIMEOUT_S)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise ApiError(503, f"the engine at {self.cfg.endpoint} does not answer",
+                               code="engine_unavailable", type_="server_error") from None
+            self._info = info
+        return self._info
+
+    async def served_name(self) -> str:
+        return self.cfg.model_name or str((await self.info()).get("model"))
+
+    async def check_model(self, name: str | None) -> None:
+        if name is None:
+            return
+        info = await self.info()
+        if name not in {await self.served_name(), str(info.get("model"))}:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{await self.served_name()}'", param="model",
+                           code="model_not_found")
+
+    async def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            async with self._lock:
+                if self._tokenizer is None:
+                    tok = await self._load_tokenizer()
+                    self._tokens = TokenText(tok)
+                    self._tokenizer = tok
+        return self._tokenizer
+
+    async def _load_tokenizer(self) -> Any:
+        info = await self.info()
+        path = self.cfg.tokenizer or str(info.get("model_path") or info["model"])
+
+        def load() -> Any:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path)
+
+        try:
+            return await asyncio.to_thread(load)
+        except Exception as e:
+            raise ApiError(500, f"cannot load the tokenizer from {path!r} (start "
+                                f"nvllm-serve with --tokenizer): {e}",
+                           type_="server_error") from e
+
+    async def tokens(self) -> TokenText:
+        await self.tokenizer()
+        return self._tokens
