@@ -33,7 +33,7 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     no_eos = params.clone(ignore_eos=True, n=2, seed=77)
     req = engine.add_request(prompt_token_ids=prompt_ids(0, 5), params=params)
     req2 = engine.add_request(prompt_token_ids=prompt_ids(10, 5), params=no_eos)
-    eos = engine.eos_token_ids
+    eos = engine.config.model_info.eos_token_ids  # the checkpoint's
     assert eos, "the tiny model has an EOS token"
     want = protocol.WorkerSampling(
         temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234, min_tokens=2,
