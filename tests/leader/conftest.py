@@ -35,17 +35,27 @@ def tokenizer(tiny):
     return AutoTokenizer.from_pretrained(tiny("qwen3"))
 
 
+@pytest.fixture(params=["sync", "async"])
+def scheduling(request) -> str:
+    """The scheduling mode of the engines `make_engine` builds: every engine test runs in
+    both. A test that counts steps or plans exactly pins one mode by parametrizing this
+    name itself, e.g. ``@pytest.mark.parametrize("scheduling", ["sync"])`` (with a comment
+    saying why); "explicit" makes every make_engine call pass async_scheduling."""
+    return request.param
+
+
 @pytest.fixture
-def make_engine(tiny, tokenizer):
+def make_engine(tiny, tokenizer, scheduling):
     engines: list[LLMEngine] = []
+    assert scheduling in ("sync", "async", "explicit"), scheduling
 
     def factory(choose=None, **overrides) -> tuple[LLMEngine, FakeWorkers]:
         the = tokenizer(" the", add_special_tokens=False).input_ids[0]
         workers = FakeWorkers(choose or (lambda sid, fs: the))
-        # Synchronous steps, so tests can count them: one plan, then its result. The
-        # async engine is held to the same outputs in test_async_scheduling.py.
+        if scheduling == "explicit":
+            assert "async_scheduling" in overrides, "this test chooses the mode per engine"
         kw = dict(device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
-                  log_stats_interval_s=3600.0, async_scheduling=False)
+                  log_stats_interval_s=3600.0, async_scheduling=scheduling == "async")
         kw.update(overrides)
         config = EngineConfig(tiny("qwen3"), **kw).finalize()
         engine = LLMEngine(config, Executor(config, lambda: workers), tokenizer)

@@ -8,6 +8,7 @@ usage, what was streamed, and the metrics. Only the plans differ.
 
 from __future__ import annotations
 
+import pytest
 import xxhash
 from fake_workers import (
     NUM_BLOCKS,
@@ -21,6 +22,10 @@ from fake_workers import (
 )
 
 from nvllm.common.sampling_params import SamplingParams
+
+# Every test here builds its engines with an explicit async_scheduling (most compare
+# both modes side by side), so make_engine's own sync/async parametrization is off.
+pytestmark = pytest.mark.parametrize("scheduling", ["explicit"])
 
 
 def hashed_choice(eos: int, vocab_lo: int = 200, vocab_span: int = 400, eos_every: int = 9):

@@ -32,6 +32,7 @@ from leader_sim import Sim, assert_no_leak, make_seq, toks
 
 from nvllm.common.errors import Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.leader import engine as engine_module
 from nvllm.leader.scheduler import SchedulerOutput
 from nvllm.leader.sequence import Sequence, SequenceStatus
 
@@ -254,16 +255,38 @@ def test_random_priorities_under_kv_pressure_finish_without_leaks(make_psim, see
 
 # ---- time to live ---------------------------------------------------------------------------
 
+TTL_MS = 60_000  # far beyond any step's real duration: only `clock` makes a TTL run out
 
-def test_ttl_expires_while_waiting(make_engine):
+
+@pytest.fixture
+def clock(monkeypatch):
+    """advance(seconds): move the monotonic clock the engine reads (time.monotonic, seen
+    as nvllm.leader.engine.time.monotonic) forward, so a TTL runs out exactly when the test
+    says and never because the machine was slow. Readings stay real time plus an offset
+    that only grows, so the clock never goes backwards."""
+    real, offset = time.monotonic, [0.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: real() + offset[0])
+
+    def advance(seconds: float) -> None:
+        offset[0] += seconds
+
+    return advance
+
+
+def test_ttl_expires_while_waiting(make_engine, clock):
     engine, workers = make_engine(max_num_seqs=1)
     submit(engine, prompt_token_ids=prompt_ids(0, 5), params=SamplingParams(max_tokens=30),
                        request_id="long")
     short = submit(engine, prompt_token_ids=prompt_ids(10, 5),
-                               params=SamplingParams(max_tokens=5), request_id="ttl", ttl_ms=200)
+                               params=SamplingParams(max_tokens=5), request_id="ttl",
+                               ttl_ms=TTL_MS)
     engine.step()
     assert short.seqs[0].status is SequenceStatus.WAITING  # max_num_seqs=1 keeps it out
-    time.sleep(0.25)
+    clock(TTL_MS / 1000 - 5)
+    out = engine.step()
+    assert not [d for d in out.deltas if d.request_id == "ttl"], "expired before its TTL"
+    assert "ttl" in engine.requests
+    clock(10)
     out = engine.step()
     (delta,) = [d for d in out.deltas if d.request_id == "ttl"]
     assert delta.finish_reason == "timeout" and delta.token_ids == [] and delta.text == ""
@@ -277,10 +300,14 @@ def test_ttl_expires_while_waiting(make_engine):
     assert engine.kv.num_free_blocks == NUM_BLOCKS
 
 
-def test_ttl_expires_while_running_and_frees_blocks(make_engine):
+# Sync only: it counts the steps (tokens and blocks held after two of them) and checks
+# that the very plan of the expiring step drops the sequence.
+@pytest.mark.parametrize("scheduling", ["sync"])
+def test_ttl_expires_while_running_and_frees_blocks(make_engine, clock):
     engine, workers = make_engine()
     req = submit(engine, prompt_token_ids=prompt_ids(0, 9),
-                             params=SamplingParams(max_tokens=50), request_id="ttl", ttl_ms=300)
+                             params=SamplingParams(max_tokens=50), request_id="ttl",
+                             ttl_ms=TTL_MS)
     submit(engine, prompt_token_ids=prompt_ids(20, 5), params=SamplingParams(max_tokens=50),
                        request_id="other")
     engine.step()
@@ -289,7 +316,7 @@ def test_ttl_expires_while_running_and_frees_blocks(make_engine):
     assert seq.status is SequenceStatus.RUNNING and len(seq.block_table) == 3
     assert seq.seq_id in workers.seqs
     free_before = engine.kv.num_free_blocks
-    time.sleep(0.35)
+    clock(TTL_MS / 1000 + 1)
     out = engine.step()
     (delta,) = [d for d in out.deltas if d.request_id == "ttl"]
     assert delta.finish_reason == "timeout"
@@ -315,6 +342,8 @@ def test_ttl_is_validated(make_engine):
 # ---- abort ----------------------------------------------------------------------------------
 
 
+# Sync only: it counts the tokens streamed and the blocks held after three steps.
+@pytest.mark.parametrize("scheduling", ["sync"])
 def test_abort_mid_generation(make_engine):
     engine, workers = make_engine()
     a = submit(engine, prompt_token_ids=prompt_ids(0, 6),
@@ -354,7 +383,9 @@ def test_abort_releases_text_held_back_for_stop_strings(make_engine, tokenizer):
     req = submit(engine, prompt_token_ids=prompt_ids(0, 4),
                              params=SamplingParams(max_tokens=20, stop=["never seen here"]),
                              request_id="a")
-    outs = [engine.step() for _ in range(4)]
+    outs = []
+    while len(deltas_of(outs, "a")) < 4:  # four tokens streamed (async: one more in flight)
+        outs.append(engine.step())
     streamed = "".join(d.text for d in deltas_of(outs, "a"))
     out = engine.abort_request("a")
     assert streamed + out.deltas[0].text == " the the the the" == out.finished[0].text
@@ -459,8 +490,11 @@ def test_metrics_count_a_known_workload(make_engine, tokenizer):
                        request_id="eos")
     submit(engine, prompt_token_ids=prompt_ids(20, 9), params=p(max_tokens=10),
                        request_id="ab")
-    engine.step()  # all three prefill and sample one token each
-    engine.abort_request("ab")
+    outs = []
+    while not deltas_of(outs, "ab"):  # all three prefill and sample one token each
+        outs.append(engine.step())
+    assert all(len(deltas_of(outs, r)) == 1 for r in ("x", "eos", "ab"))
+    engine.abort_request("ab")  # (async: its next token, in flight, is never counted)
     run(engine)
     assert metric(engine, "nvllm:prompt_tokens_total") == 5 + 7 + 9
     assert metric(engine, "nvllm:generation_tokens_total") == 2 + 3 + 1

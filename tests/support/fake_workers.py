@@ -2,13 +2,15 @@
 
 ``FakeWorkers`` keeps per-sequence state from the plans the way ``ModelRunner`` does
 (new sequences in full, running ones as block deltas, sampled tokens kept by the
-workers) and samples a scripted token for every sequence whose last token was computed.
-Plans go through the wire codec, like the real client's.
+workers) and samples a scripted token for every sequence whose last token was computed, with fake
+logprobs (``fake_logprobs``) for sequences that ask for them. Plans and results go through
+the wire codec, like the real client's; ``corrupt`` can slip malformed results in first.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +28,22 @@ class FakeSeq:
     num_prompt_tokens: int
     num_computed_tokens: int
     block_table: list[int]
+    sampling: protocol.WorkerSampling | None = None
+
+
+def fake_logprobs(n_out: int, token: int, k: int) -> list:
+    """The deterministic logprobs FakeWorkers reports for the `n_out`-th output token
+    (0-based) of a sequence that asked for top-`k`, shaped as one StepResult.logprobs
+    entry: [logprob of the sampled token, [[token id, logprob], ...k pairs]]. The sampled
+    token is among the top k at even positions (k > 0) and not at odd ones; every value is
+    a binary fraction, so it survives msgpack exactly."""
+    lp = -(n_out + 1) / 8
+    others = [t for t in range(900, 900 + k + 1) if t != token]
+    if n_out % 2 == 0 and k > 0:
+        top = [[token, lp]] + [[t, lp - (j + 1) / 16] for j, t in enumerate(others[:k - 1])]
+    else:
+        top = [[t, -(j + 1) / 16] for j, t in enumerate(others[:k])]
+    return [lp, top]
 
 
 class FakeWorkers:
@@ -34,6 +52,9 @@ class FakeWorkers:
     choose(seq_id, fake_seq) -> the token sampled for a seq whose last token was computed
     (the default samples " the" forever). Plans go through the wire codec, like the real
     client, and are kept in ``plans``.
+
+    corrupt(plan, good_result) -> messages the engine receives before the plan's good
+    result (malformed or stale results it must drop); they are kept in ``injected``.
     """
 
     num_workers = 1
@@ -49,6 +70,8 @@ class FakeWorkers:
         self.num_recvs = 0
         # Per plan: how many messages the engine had received when it sent the plan.
         self.recvs_before_plan: list[int] = []
+        self.corrupt: Callable[[protocol.StepPlan, protocol.StepResult], list] | None = None
+        self.injected: list = []
 
     @property
     def client(self) -> FakeWorkers:
@@ -70,7 +93,11 @@ class FakeWorkers:
         elif isinstance(msg, protocol.StepPlan):
             self.plans.append(msg)
             self.recvs_before_plan.append(self.num_recvs)
-            self.inbox.append(self._execute(msg))
+            good = self._execute(msg)
+            bad = self.corrupt(msg, good) if self.corrupt is not None else []
+            self.injected += bad
+            for m in (*bad, good):  # as the real client: decoded from the wire
+                self.inbox.append(protocol.decode(protocol.encode(m)))
         else:
             self.other.append(msg)
         return len(data)
@@ -89,14 +116,14 @@ class FakeWorkers:
         for ns in plan.new_seqs:
             assert ns.seq_id not in self.seqs, "a new seq the workers already hold"
             fs = FakeSeq(list(ns.token_ids), ns.num_prompt_tokens, ns.num_computed_tokens,
-                         list(ns.block_table))
+                         list(ns.block_table), ns.sampling)
             self.seqs[ns.seq_id] = fs
             batch.append((ns.seq_id, fs, ns.num_new_tokens))
         for rs in plan.running:
             fs = self.seqs[rs.seq_id]
             fs.block_table.extend(rs.new_block_ids)
             batch.append((rs.seq_id, fs, rs.num_new_tokens))
-        seq_ids, tokens = [], []
+        seq_ids, tokens, logprobs = [], [], []
         for sid, fs, n in batch:
             end = fs.num_computed_tokens + n
             assert n >= 1 and end <= len(fs.token_ids)
@@ -105,8 +132,13 @@ class FakeWorkers:
             if end == len(fs.token_ids):
                 seq_ids.append(sid)
                 tokens.append(self.choose(sid, fs))
+                k = fs.sampling.logprobs
+                logprobs.append(None if k is None else fake_logprobs(
+                    len(fs.token_ids) - fs.num_prompt_tokens, tokens[-1], k))
                 fs.token_ids.append(tokens[-1])  # workers keep what they sample
-        return protocol.StepResult(plan.step_id, seq_ids, tokens, None, 0.001)
+        # As the sampler: a list (None for rows that did not ask) when any row asked.
+        lps = logprobs if any(x is not None for x in logprobs) else None
+        return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001)
 
 
 def submit(engine: LLMEngine, prompt=None, params=None, **kwargs):

@@ -1,0 +1,96 @@
+"""EngineServer (the client endpoint) over an LLMEngine with the fake worker group: no
+worker processes. The test drives the server's loop by hand (`_drain` takes what
+arrived, `_step` steps the engine and streams) and talks to it over a ZMQ DEALER, as
+clients do: malformed or unknown frames get an error reply and change nothing.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+from fake_workers import prompt_ids
+
+from nvllm.leader.server import EngineServer
+
+WAIT_MS = 5000  # generous: only a broken server ever waits this long
+VERSION = 1  # of the client protocol (docs/protocol.md)
+
+
+@pytest.fixture
+def connected(make_engine):
+    """(engine, server, dealer): a server on 127.0.0.1 (random port), a client for it."""
+    engine, _ = make_engine()
+    server = EngineServer(engine, host="127.0.0.1", port=0)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(server.endpoint)
+        yield engine, server, dealer
+    finally:
+        dealer.close(0)
+        ctx.term()
+        server.close()
+
+
+def exchange(server, dealer, payload: bytes | dict) -> dict:
+    """Send one frame, let the server take it, and return its one reply."""
+    if isinstance(payload, dict):
+        payload = msgpack.packb(payload, use_bin_type=True)
+    dealer.send(payload)
+    server._drain(WAIT_MS)
+    assert dealer.poll(WAIT_MS), "no reply"
+    reply = msgpack.unpackb(dealer.recv(), raw=False)
+    assert not dealer.poll(0), "more than one reply"
+    return reply
+
+
+@pytest.mark.parametrize("payload, rid, code", [
+    ({"op": "frobnicate", "id": 1}, 1, "bad_op"),
+    ({"id": "no-op"}, "no-op", "bad_op"),
+    ({"op": "ping", "id": 2, "v": VERSION + 1}, 2, "bad_version"),
+    (b"\xc1\xc1 not msgpack", None, "bad_frame"),
+    (msgpack.packb([1, 2, 3]), None, "bad_frame"),
+    (msgpack.packb("submit"), None, "bad_frame"),
+    ({"op": "submit", "prompt_token_ids": [100, 101]}, None, "invalid_request"),
+    ({"op": "submit", "id": [1], "prompt_token_ids": [100, 101]}, None, "invalid_request"),
+])
+def test_a_bad_frame_gets_an_error_and_changes_nothing(connected, payload, rid, code):
+    engine, server, dealer = connected
+    reply = exchange(server, dealer, payload)
+    assert reply["op"] == "error" and reply["code"] == code and reply["id"] == rid
+    assert isinstance(reply["message"], str) and reply["message"]
+    assert not engine.requests and not engine.has_unfinished_requests()
+
+
+def test_the_server_still_serves_after_bad_frames(connected):
+    engine, server, dealer = connected
+    bad = [({"op": "frobnicate", "id": 1}, "bad_op"),
+           ({"op": "ping", "id": 2, "v": 99}, "bad_version"),
+           (b"\xc1garbage", "bad_frame"),
+           (msgpack.packb([1, 2]), "bad_frame"),
+           ({"op": "submit", "prompt_token_ids": [100, 101]}, "invalid_request")]
+    for payload, code in bad:
+        assert exchange(server, dealer, payload)["code"] == code
+    assert exchange(server, dealer, {"op": "ping", "v": VERSION})["op"] == "pong"
+
+    dealer.send(msgpack.packb({"op": "submit", "id": "r1", "prompt_token_ids": prompt_ids(0, 5),
+                               "params": {"max_tokens": 4, "ignore_eos": True}}))
+    server._drain(WAIT_MS)
+    assert len(engine.requests) == 1
+    msgs = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        server._step()
+    while dealer.poll(WAIT_MS if not msgs or msgs[-1]["finish_reason"] is None else 0):
+        msgs.append(msgpack.unpackb(dealer.recv(), raw=False))
+    assert [m["op"] for m in msgs] == ["output"] * 4 and {m["id"] for m in msgs} == {"r1"}
+    assert [m["finish_reason"] for m in msgs] == [None, None, None, "length"]
+    assert sum((m["token_ids"] for m in msgs), []) and all(len(m["token_ids"]) == 1
+                                                           for m in msgs)
+    assert "".join(m["text"] for m in msgs) == " the the the the"
+    assert msgs[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4,
+                                 "cached_tokens": 0}
+    assert not engine.requests
