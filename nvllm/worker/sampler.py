@@ -14,9 +14,7 @@ import torch
 import xxhash
 
 from nvllm.common.protocol import WorkerSampling
-
-# Below this, logits / T overflows float32: such temperatures mean greedy (as in vLLM).
-GREEDY_BELOW = 1e-5
+from nvllm.common.sampling_params import GREEDY_BELOW
 
 
 @dataclass(slots=True)
