@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 _INT64_MAX = 2**63 - 1
+# Below this temperature, logits / T overflows float32: the sampler takes the argmax
+# (as vLLM does), so such requests are greedy.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(slots=True)
@@ -93,7 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5  # what the sampler treats as greedy
+        return self.temperature < GREEDY_BELOW
 
     def all_stop_token_ids(self) -> set[int]:
         ids = set(self.stop_token_ids or ())

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nvllm.kernels.cpu_attention import StepViews
 
 
 @dataclass(slots=True)
@@ -22,50 +26,13 @@ class AttentionMetadata:
     # Host copies, so loops over sequences need no device syncs.
     cu_seqlens_q_host: list[int]
     seq_lens_host: list[int]
-    # Optional (torch backend on CPU): views into each sequence's contiguous copy of its
-    # K/V, [layers, 2, kv_heads, capacity, head_dim] (head-major: each head's keys are one
-    # contiguous run, which SDPA reads fastest); see mirror_views. Attention then appends
-    # this step's K/V to it and reads it in place, instead of gathering the paged blocks
-    # into a fresh copy in every layer of every step.
-    seq_kv: MirrorViews | None = None
+    # The CPU backend's views into each sequence's contiguous K/V (cpu_attention): set
+    # by the model runner when it keeps those copies; ops.attention dispatches on it.
+    cpu_kv: StepViews | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
-
-
-@dataclass(slots=True)
-class MirrorViews:
-    """Per sequence, per layer views into the contiguous K/V copies: ``dst[i][l]`` is
-    where this step's K/V go (``[2, kv_heads, n, d]``), ``keys[i][l]``/``values[i][l]``
-    what attention reads (``[1, kv_heads, ctx, d]``). Sequences without a copy have
-    None; ``with_copy`` lists the ones that have one."""
-
-    dst: list[tuple[torch.Tensor, ...] | None]
-    keys: list[tuple[torch.Tensor, ...] | None]
-    values: list[tuple[torch.Tensor, ...] | None]
-    with_copy: list[int]
-
-
-def mirror_views(seq_kv: list[torch.Tensor | None], query_lens: list[int],
-                 context_lens: list[int]) -> MirrorViews:
-    """The views of one step into each sequence's copy (or None), made once: slicing
-    each copy again in every layer cost a third of decode attention's time."""
-    dst: list[tuple[torch.Tensor, ...] | None] = []
-    keys: list[tuple[torch.Tensor, ...] | None] = []
-    values: list[tuple[torch.Tensor, ...] | None] = []
-    with_copy = []
-    for i, (buf, n, ctx) in enumerate(zip(seq_kv, query_lens, context_lens)):
-        if buf is None:
-            dst.append(None)
-            keys.append(None)
-            values.append(None)
-            continue
-        with_copy.append(i)
-        dst.append(buf[:, :, :, ctx - n:ctx].unbind(0))
-        keys.append(buf[:, 0:1, :, :ctx].unbind(0))
-        values.append(buf[:, 1:2, :, :ctx].unbind(0))
-    return MirrorViews(dst, keys, values, with_copy)
 
 
 def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

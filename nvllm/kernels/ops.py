@@ -3,6 +3,14 @@
 ``"torch"`` runs the reference twins (``reference.py``); ``"triton"`` runs the Triton
 kernels (on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``). ``"auto"`` is
 resolved once at start-up by ``resolve_backend``: Triton on CUDA, torch on CPU.
+
+Attention on the torch backend has a second implementation, the CPU backend
+(``cpu_attention.py``: contiguous per-sequence K/V copies). ``uses_cpu_attention`` says
+whether a worker runs it; ``attention`` then picks it per step by the metadata carrying
+its views (``meta.cpu_kv``), not by another backend name: the views exist exactly when
+the runner keeps copies, every other op is the same as torch's (a "cpu" name would only
+alias it), and steps built without views (tests, benchmarks, ``cpu_kv_mirror=False``)
+read the pages through the reference.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import os
 
 import torch
 
-from nvllm.kernels import reference
+from nvllm.kernels import cpu_attention, reference
 from nvllm.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "triton")
@@ -49,6 +57,22 @@ def _triton_layer_ops():
     return triton_layer_ops
 
 
+def uses_cpu_attention(backend: str, device: torch.device, cpu_kv_mirror: bool) -> bool:
+    """Whether a worker keeps the CPU backend's K/V copies (and puts their views in each
+    step's metadata); backend is the resolved one."""
+    return device.type == "cpu" and backend == "torch" and cpu_kv_mirror
+
+
+def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+              backend: str = "torch", layer: int = 0) -> torch.Tensor:
+    """One layer's attention step: store this step's K/V ([T, kv_heads, d]) in the paged
+    cache, then attend. layer indexes the CPU backend's copies (which hold every layer)."""
+    if meta.cpu_kv is not None and backend == "torch":
+        return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, scale, layer)
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, backend)
+    return paged_attention(q, k_cache, v_cache, meta, scale, backend)
+
+
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
     if backend == "triton":
         return _triton_attention().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
@@ -56,13 +80,10 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") 
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                    backend: str = "torch", k_new=None, v_new=None,
-                    layer: int = 0) -> torch.Tensor:
-    """k_new/v_new/layer feed the torch backend's contiguous per-sequence copies
-    (meta.seq_kv, CPU); the Triton kernels read the paged cache directly."""
+                    backend: str = "torch") -> torch.Tensor:
     if backend == "triton":
         return _triton_attention().paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, layer)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def rms_norm(x, weight, eps: float, backend: str = "torch") -> torch.Tensor:

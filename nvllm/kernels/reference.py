@@ -6,9 +6,12 @@ engine with these ops matches HF token for token in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from nvllm.common.utils import cdiv
 from nvllm.kernels.metadata import AttentionMetadata
 
 
@@ -27,28 +30,36 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each query run over its sequence's cached context.
 
     q: [T, heads, d]; query token j of a run of n tokens for a sequence whose context
     is L tokens sits at position L - n + j and sees keys 0..L - n + j. GQA: query head h
-    reads KV head h // (heads // kv_heads). A sequence with a contiguous copy (views in
-    meta.seq_kv, see mirror_views) gets this step's K/V (k_new, v_new: [T, kv_heads, d])
-    appended to it at `layer` and is read from it; the values are the same as the paged
-    blocks'.
+    reads KV head h // (heads // kv_heads).
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    gqa = num_heads > num_kv_heads
+    return attend_runs(q, meta, scale, lambda i: gather_kv(k_cache, v_cache, meta, i))
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+              i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence i's context K and V gathered from its blocks, each [1, kv_heads, ctx, d]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    ctx = meta.seq_lens_host[i]
+    blocks = meta.block_tables[i, :cdiv(ctx, block_size)].long()
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+    return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+def attend_runs(q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                lens: list[int] | None = None) -> torch.Tensor:
+    """SDPA of each sequence's query run over the K/V that kv_of(i) returns
+    ([1, kv_heads, ctx, d] each). Shared with the CPU backend, which only changes where
+    the K/V are read from, so both compute the same values bit for bit."""
     cu = meta.cu_seqlens_q_host
-    lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
-    views = meta.seq_kv if k_new is not None else None
-    if views is not None and views.with_copy:
-        # One call writes this layer's K/V into every sequence's copy.
-        src = torch.stack((k_new, v_new), 1).permute(1, 2, 0, 3).split(lens, dim=2)
-        torch._foreach_copy_([views.dst[i][layer] for i in views.with_copy],
-                             [src[i] for i in views.with_copy])
+    if lens is None:
+        lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
     # Each sequence's queries as one [1, H, n, d] view, split from one transpose.
     qs = q.transpose(0, 1).unsqueeze(0).split(lens, dim=2)
     outs = []
@@ -56,20 +67,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         n = lens[i]
         if n == 0:
             continue
-        if views is not None and views.keys[i] is not None:
-            ki, vi = views.keys[i][layer], views.values[i][layer]  # [1, kv_heads, ctx, d]
-        else:
-            nblk = -(-ctx // block_size)
-            blocks = meta.block_tables[i, :nblk].long()
-            k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-            v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-            ki = k.transpose(0, 1).unsqueeze(0)
-            vi = v.transpose(0, 1).unsqueeze(0)
+        ki, vi = kv_of(i)
         # enable_gqa reads each KV head once for its query group instead of materializing
         # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
+        gqa = q.shape[1] != ki.shape[1]
         if n == 1:
-            o = F.scaled_dot_product_attention(qs[i], ki, vi, scale=scale, enable_gqa=gqa)
-            outs.append(o)
+            outs.append(F.scaled_dot_product_attention(qs[i], ki, vi, scale=scale,
+                                                       enable_gqa=gqa))
             continue
         qi = qs[i].contiguous()  # a head-major copy: ~15% faster prefill attention
         if n == ctx:

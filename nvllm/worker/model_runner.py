@@ -4,7 +4,6 @@ the forward pass, and (rank 0) sampling."""
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 
@@ -12,8 +11,10 @@ import torch
 
 from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig
-from nvllm.kernels.metadata import AttentionMetadata, build_metadata, mirror_views
-from nvllm.kernels.ops import resolve_backend
+from nvllm.common.utils import cdiv
+from nvllm.kernels.cpu_attention import CpuKVStore
+from nvllm.kernels.metadata import AttentionMetadata, build_metadata
+from nvllm.kernels.ops import resolve_backend, uses_cpu_attention
 from nvllm.worker.cuda_graph import CUDAGraphRunner
 from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
@@ -21,10 +22,7 @@ from nvllm.worker.models.llama import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.sampler import Sampler, SampleRequest
 
-logger = logging.getLogger(__name__)
-
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amortized)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def micro_batch_ranges(query_lens: list[int], min_tokens: int) -> list[tuple[int, int]]:
@@ -49,7 +47,6 @@ class WorkerSeq:
     num_computed_tokens: int
     block_table: list[int]
     sampling: worker_protocol.WorkerSampling
-    kv: torch.Tensor | None = None  # contiguous K/V copy [layers, 2, kv_heads, cap, d]
 
 
 class ModelRunner:
@@ -59,7 +56,7 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = device
-        self.dtype = DTYPES[config.dtype]
+        self.dtype: torch.dtype = getattr(torch, config.dtype)  # a name in config.DTYPES
         self.block_size = config.block_size
         hf_config = AutoConfig.from_pretrained(config.model)
         arch = config.model_info.architecture
@@ -74,12 +71,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
         self.seqs: dict[int, WorkerSeq] = {}
         self.kv_cache: torch.Tensor | None = None
-        # Contiguous per-sequence K/V on CPU (see AttentionMetadata.seq_kv): a second copy
-        # of what running sequences hold, so it gets its own budget.
-        self.mirror = (device.type == "cpu" and self.backend == "torch"
-                       and config.cpu_kv_mirror)
-        self.mirror_budget = int(config.cpu_kv_cache_gib * (1 << 30))
-        self.mirror_bytes = 0
+        # The CPU attention backend's contiguous per-sequence K/V (made with the cache).
+        self.cpu_kv: CpuKVStore | None = None
         # Decode steps from CUDA graphs: the Triton kernels size their grids from shapes
         # only (the torch backend loops over host-side lengths, which a graph would freeze).
         self.use_cuda_graphs = (device.type == "cuda" and self.backend == "triton"
@@ -121,51 +114,24 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
             layer.self_attn.attn.layer_idx = i
+        if uses_cpu_attention(self.backend, self.device, self.config.cpu_kv_mirror):
+            # A second copy of what running sequences hold, so it gets its own budget.
+            self.cpu_kv = CpuKVStore(self.kv_cache, int(self.config.cpu_kv_cache_gib * (1 << 30)),
+                                     self.config.max_model_len)
         if self.use_cuda_graphs:
             self.capture_graphs()
 
     def capture_graphs(self, graph_factory=None) -> None:
         """Capture the decode graphs (after the KV cache exists: they address it)."""
         self.graphs = CUDAGraphRunner(
-            self.model, self.graph_batch_size, -(-self.config.max_model_len // self.block_size),
+            self.model, self.graph_batch_size, cdiv(self.config.max_model_len, self.block_size),
             self.block_size, self.device, graph_factory)
         self.graphs.capture()
 
     def _drop(self, sid: int) -> None:
-        seq = self.seqs.pop(sid, None)
-        if seq is not None and seq.kv is not None:
-            self.mirror_bytes -= seq.kv.nbytes
-
-    def _mirror_for(self, seq: WorkerSeq, end: int) -> torch.Tensor | None:
-        """The sequence's contiguous K/V with room for `end` tokens (grown by doubling;
-        built from the paged cache if it starts mid-sequence, e.g. after a prefix hit).
-        None (gather from the pages) when the budget is spent."""
-        kv = seq.kv
-        if kv is not None and kv.shape[3] >= end:
-            return kv
-        cap = max(64, end, 2 * kv.shape[3] if kv is not None else 0)
-        cap = min(cap, max(end, self.config.max_model_len))
-        _, layers, _, bs, kvh, d = self.kv_cache.shape
-        grow = 2 * layers * cap * kvh * d * self.dtype.itemsize - (0 if kv is None else kv.nbytes)
-        if self.mirror_bytes + grow > self.mirror_budget:
-            if kv is not None:  # keep the sequence on one path: drop its copy entirely
-                self.mirror_bytes -= kv.nbytes
-                seq.kv = None
-            logger.debug("contiguous K/V budget spent: a sequence reads its pages")
-            return None
-        new = torch.empty(layers, 2, kvh, cap, d, dtype=self.dtype, device=self.device)
-        done = seq.num_computed_tokens
-        if kv is not None:
-            new[:, :, :, :done] = kv[:, :, :, :done]
-        elif done:
-            blocks = torch.tensor(seq.block_table[:-(-done // bs)], device=self.device)
-            pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)[:, :, :done]
-            new[:, :, :, :done] = pages.permute(1, 0, 3, 2, 4)
-        logger.debug("contiguous K/V: %s to %d tokens (%d computed)",
-                     "grown" if kv is not None else ("built" if done else "new"), cap, done)
-        self.mirror_bytes += grow
-        seq.kv = new
-        return new
+        self.seqs.pop(sid, None)
+        if self.cpu_kv is not None:
+            self.cpu_kv.drop(sid)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -197,7 +163,7 @@ class ModelRunner:
                 raise InvalidPlan(f"sequence {sid}: block id outside the KV cache "
                                   f"(0..{num_blocks - 1})")
             end = computed + n
-            if n < 1 or computed < 0 or end > num_tokens or -(-end // bs) > num_blocks_held:
+            if n < 1 or computed < 0 or end > num_tokens or cdiv(end, bs) > num_blocks_held:
                 raise InvalidPlan(f"sequence {sid}: tokens {computed}..{end} of {num_tokens} "
                                   f"with {num_blocks_held} block(s) of {bs}")
 
@@ -244,7 +210,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         for _, seq, n in batch:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            if end > len(seq.token_ids) or -(-end // bs) > len(seq.block_table):
+            if end > len(seq.token_ids) or cdiv(end, bs) > len(seq.block_table):
                 raise RuntimeError(f"plan asks for tokens {start}..{end} of a sequence with "
                                    f"{len(seq.token_ids)} tokens, {len(seq.block_table)} blocks")
             input_ids.extend(seq.token_ids[start:end])
@@ -264,10 +230,10 @@ class ModelRunner:
             meta, positions = build_metadata(query_lens[a:b], context_lens[a:b],
                                              [s.block_table for _, s, _ in batch[a:b]], bs,
                                              self.device)
-            if self.mirror:
-                meta.seq_kv = mirror_views(
-                    [self._mirror_for(seq, seq.num_computed_tokens + n)
-                     for _, seq, n in batch[a:b]], query_lens[a:b], context_lens[a:b])
+            if self.cpu_kv is not None:
+                meta.cpu_kv = self.cpu_kv.views_for_step(
+                    [sid for sid, _, _ in batch[a:b]], [s.block_table for _, s, _ in batch[a:b]],
+                    query_lens[a:b], context_lens[a:b])
             num = sum(query_lens[a:b])
             ids = torch.tensor(input_ids[tok:tok + num], dtype=torch.long, device=self.device)
             micro.append((ids, positions, meta))

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from nvllm.common.sampling_params import GREEDY_BELOW
 from nvllm.common.worker_protocol import WorkerSampling
-
-# Below this, logits / T overflows float32: such temperatures mean greedy (as in vLLM).
-GREEDY_BELOW = 1e-5
 
 
 @dataclass(slots=True)

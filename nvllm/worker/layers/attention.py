@@ -16,13 +16,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
-        # Set by the model runner once the cache is allocated.
+        # Set by the model runner once the cache is allocated; layer_idx is this layer's
+        # place in caches that hold every layer (the CPU backend's per-sequence copies).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.layer_idx = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.backend)
-        return ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.backend,
-                                   k, v, self.layer_idx)
+        return ops.attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                             self.backend, self.layer_idx)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvllm.common.utils import cdiv
 from nvllm.worker.layers.linear import linear
 from nvllm.worker.parallel import TPContext
 
@@ -17,7 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // tp.world_size)
+        self.shard_size = cdiv(vocab_size, tp.world_size)
         self.vocab_start = tp.rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype),

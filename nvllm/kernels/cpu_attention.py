@@ -1,0 +1,149 @@
+"""CPU attention backend: each running sequence's K/V also kept contiguous.
+
+The paged cache scatters a sequence's K/V over blocks, so the reference reads them by
+gathering the blocks into a fresh copy in every layer of every step. On CPU that gather
+costs about as much as the attention itself. Here each running sequence keeps its own
+copy, ``[layers, 2, kv_heads, capacity, head_dim]`` (head-major: each head's keys are one
+contiguous run, which SDPA reads fastest); a step appends its K/V to the copy and SDPA
+reads it in place. The paged cache is still written: it is what prefix hits share and
+what a copy is rebuilt from.
+
+The copies are a second home for what running sequences hold, so ``CpuKVStore`` keeps
+them within their own byte budget. A sequence that does not fit reads its pages (the
+reference path) until the budget has room for a copy again; both paths give the same
+values bit for bit, as ``attention`` runs the reference's own SDPA calls.
+
+The model runner owns one ``CpuKVStore``: ``views_for_step`` before each (micro-)batch,
+whose result it puts in ``AttentionMetadata.cpu_kv``, and ``drop`` when a sequence ends or
+is preempted. ``ops.attention`` sends a layer here when the metadata carries those views.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nvllm.common.utils import cdiv
+from nvllm.kernels import reference
+from nvllm.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+MIN_CAPACITY = 64  # tokens: a new copy's smallest size (short prompts still decode a while)
+
+
+@dataclass(slots=True)
+class StepViews:
+    """One step's views into the copies, per sequence and layer: ``dst[i][l]`` is where
+    this step's K/V go (``[2, kv_heads, n, d]``), ``keys[i][l]``/``values[i][l]`` what
+    attention reads (``[1, kv_heads, ctx, d]``). Sequences without a copy have None;
+    ``with_copy`` lists the ones that have one. Made once per step: slicing each copy
+    again in every layer cost a third of decode attention's time."""
+
+    dst: list[tuple[torch.Tensor, ...] | None]
+    keys: list[tuple[torch.Tensor, ...] | None]
+    values: list[tuple[torch.Tensor, ...] | None]
+    with_copy: list[int]
+
+
+class CpuKVStore:
+    """The contiguous K/V copies of running sequences, by sequence id, within a budget.
+
+    A copy grows by doubling (capped at the model's length), and one that starts
+    mid-sequence (after a prefix hit, or recomputation after preemption) is built from the
+    paged cache. When growing would overrun the budget the sequence loses its copy
+    entirely, so it stays on one path (the pages) rather than splitting across two.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, budget_bytes: int, max_model_len: int) -> None:
+        """kv_cache: the paged cache, ``[2, layers, num_blocks, block_size, kv_heads, d]``."""
+        self.kv_cache = kv_cache
+        self.budget_bytes = budget_bytes
+        self.max_model_len = max_model_len
+        self.nbytes = 0
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def drop(self, seq_id: int) -> None:
+        """Free a sequence's copy (it finished, was preempted, or lost its place)."""
+        kv = self.copies.pop(seq_id, None)
+        if kv is not None:
+            self.nbytes -= kv.nbytes
+
+    def views_for_step(self, seq_ids: list[int], block_tables: list[list[int]],
+                       query_lens: list[int], context_lens: list[int]) -> StepViews:
+        """Make room in each sequence's copy for this step's tokens (sequence i computes
+        its last query_lens[i] of context_lens[i] tokens) and return the step's views."""
+        dst: list[tuple[torch.Tensor, ...] | None] = []
+        keys: list[tuple[torch.Tensor, ...] | None] = []
+        values: list[tuple[torch.Tensor, ...] | None] = []
+        with_copy = []
+        for i, (sid, table, n, ctx) in enumerate(zip(seq_ids, block_tables, query_lens,
+                                                     context_lens)):
+            buf = self._copy_for(sid, table, ctx - n, ctx)
+            if buf is None:
+                dst.append(None)
+                keys.append(None)
+                values.append(None)
+                continue
+            with_copy.append(i)
+            dst.append(buf[:, :, :, ctx - n:ctx].unbind(0))
+            keys.append(buf[:, 0:1, :, :ctx].unbind(0))
+            values.append(buf[:, 1:2, :, :ctx].unbind(0))
+        return StepViews(dst, keys, values, with_copy)
+
+    def _copy_for(self, seq_id: int, block_table: list[int], done: int,
+                  end: int) -> torch.Tensor | None:
+        """The sequence's copy with room for `end` tokens, its first `done` filled; None
+        (read the pages) when the budget is spent."""
+        kv = self.copies.get(seq_id)
+        if kv is not None and kv.shape[3] >= end:
+            return kv
+        cap = max(MIN_CAPACITY, end, 2 * kv.shape[3] if kv is not None else 0)
+        cap = min(cap, max(end, self.max_model_len))
+        _, layers, _, bs, kvh, d = self.kv_cache.shape
+        size = 2 * layers * cap * kvh * d * self.kv_cache.dtype.itemsize
+        grow = size - (0 if kv is None else kv.nbytes)
+        if self.nbytes + grow > self.budget_bytes:
+            self.drop(seq_id)
+            logger.debug("contiguous K/V budget spent: a sequence reads its pages")
+            return None
+        new = torch.empty(layers, 2, kvh, cap, d, dtype=self.kv_cache.dtype,
+                          device=self.kv_cache.device)
+        if kv is not None:
+            new[:, :, :, :done] = kv[:, :, :, :done]
+        elif done:
+            blocks = torch.tensor(block_table[:cdiv(done, bs)], device=new.device)
+            pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)[:, :, :done]
+            new[:, :, :, :done] = pages.permute(1, 0, 3, 2, 4)
+        logger.debug("contiguous K/V: %s to %d tokens (%d computed)",
+                     "grown" if kv is not None else ("built" if done else "new"), cap, done)
+        self.nbytes += grow
+        self.copies[seq_id] = new
+        return new
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+              layer: int) -> torch.Tensor:
+    """One layer's attention step over meta.cpu_kv: store this step's K/V
+    ([T, kv_heads, d]) in the paged cache and append them to the copies at `layer`, then
+    attend, reading each sequence's copy in place (or its pages, if it has none)."""
+    reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    views = meta.cpu_kv
+    cu = meta.cu_seqlens_q_host
+    lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
+    if views.with_copy:
+        # One call writes this layer's K/V into every sequence's copy.
+        src = torch.stack((k, v), 1).permute(1, 2, 0, 3).split(lens, dim=2)
+        torch._foreach_copy_([views.dst[i][layer] for i in views.with_copy],
+                             [src[i] for i in views.with_copy])
+    keys, values = views.keys, views.values
+
+    def kv_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if keys[i] is not None:
+            return keys[i][layer], values[i][layer]
+        return reference.gather_kv(k_cache, v_cache, meta, i)
+
+    return reference.attend_runs(q, meta, scale, kv_of, lens)

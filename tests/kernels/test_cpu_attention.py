@@ -1,0 +1,216 @@
+"""The CPU attention backend (contiguous per-sequence K/V copies) against the reference
+(paged gather + SDPA), bit for bit, over multi-step runs of ragged batches."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from nvllm.common.utils import cdiv
+from nvllm.kernels import cpu_attention, ops, reference
+from nvllm.kernels.cpu_attention import MIN_CAPACITY, CpuKVStore
+from nvllm.kernels.metadata import build_metadata
+
+LAYERS, HEAD_DIM, SCALE = 2, 8, 0.35
+
+
+@dataclass
+class Seq:
+    """Starts with `prefix` tokens already in its pages (a prefix hit), computes its prompt
+    up to `prompt` in chunks of at most `chunk` tokens, then decodes `decode` tokens;
+    joins the batch at step `arrive`."""
+
+    prefix: int
+    prompt: int
+    decode: int
+    chunk: int = 1 << 30
+    arrive: int = 0
+    done: int = 0
+    table: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.decode
+
+    def next_len(self) -> int:
+        return min(self.chunk, self.prompt - self.done) if self.done < self.prompt else 1
+
+
+def _copy_bytes(cap: int, kv_heads: int, dtype: torch.dtype) -> int:
+    return 2 * LAYERS * cap * kv_heads * HEAD_DIM * dtype.itemsize
+
+
+def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: int = 4,
+         seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Runs every step through the CPU backend and the reference (each on its own paged
+    cache) and asserts equal outputs and caches; returns what the store went through."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = sum(cdiv(s.total, block_size) for s in seqs) + 3
+    perm = rng.sample(range(num_blocks), num_blocks)
+    for s in seqs:
+        nb = cdiv(s.total, block_size)
+        s.table, perm = perm[:nb], perm[nb:]
+    # NaN in every slot nobody writes: reading one would poison the output.
+    paged = torch.full((2, LAYERS, num_blocks, block_size, kv_heads, HEAD_DIM), float("nan"),
+                       dtype=dtype)
+    for s in seqs:  # the cached prefixes
+        s.done = s.prefix
+        slots = torch.tensor([s.table[p // block_size] * block_size + p % block_size
+                              for p in range(s.prefix)], dtype=torch.long)
+        for layer in range(LAYERS):
+            k, v = (torch.randn(s.prefix, kv_heads, HEAD_DIM, generator=g, dtype=dtype)
+                    for _ in range(2))
+            reference.store_kvcache(k, v, paged[0, layer], paged[1, layer], slots)
+    ref_cache = paged.clone()
+    max_len = max(s.total for s in seqs)
+    store = CpuKVStore(paged, budget, max_len)
+    seen = dict(mixed_steps=0, grown=0, built=0, lost=0)
+    ids = {id(s): i for i, s in enumerate(seqs)}
+    step = 0
+    while any(s.done < s.total for s in seqs):
+        batch = [s for s in seqs if s.arrive <= step and s.done < s.total]
+        step += 1
+        if not batch:
+            continue
+        before = {i: c.shape[3] for i, c in store.copies.items()}
+        lens = [s.next_len() for s in batch]
+        ctxs = [s.done + n for s, n in zip(batch, lens)]
+        meta, _ = build_metadata(lens, ctxs, [s.table for s in batch], block_size)
+        plain, _ = build_metadata(lens, ctxs, [s.table for s in batch], block_size)
+        meta.cpu_kv = store.views_for_step([ids[id(s)] for s in batch],
+                                           [s.table for s in batch], lens, ctxs)
+        assert store.nbytes <= budget
+        with_copy = set(meta.cpu_kv.with_copy)
+        seen["mixed_steps"] += 0 < len(with_copy) < len(batch)
+        for j, s in enumerate(batch):
+            i = ids[id(s)]
+            if i in before and i not in store.copies:
+                seen["lost"] += 1
+            elif i in before and store.copies[i].shape[3] > before[i]:
+                seen["grown"] += 1
+            elif i not in before and i in store.copies and s.done > 0:
+                seen["built"] += 1
+            assert (j in with_copy) == (i in store.copies)
+        for layer in range(LAYERS):
+            t = sum(lens)
+            q = torch.randn(t, heads, HEAD_DIM, generator=g, dtype=dtype)
+            k, v = (torch.randn(t, kv_heads, HEAD_DIM, generator=g, dtype=dtype)
+                    for _ in range(2))
+            out = ops.attention(q, k, v, paged[0, layer], paged[1, layer], meta, SCALE,
+                                "torch", layer)
+            reference.store_kvcache(k, v, ref_cache[0, layer], ref_cache[1, layer],
+                                    plain.slot_mapping)
+            want = reference.paged_attention(q, ref_cache[0, layer], ref_cache[1, layer],
+                                             plain, SCALE)
+            assert torch.equal(out, want), f"step {step} layer {layer}: lens {lens} ctx {ctxs}"
+        for s, n in zip(batch, lens):
+            s.done += n
+            if s.done == s.total:
+                store.drop(ids[id(s)])
+        # Every copy holds exactly what the pages hold.
+        for i, buf in store.copies.items():
+            s = seqs[i]
+            blocks = torch.tensor(s.table[:cdiv(s.done, block_size)])
+            pages = paged[:, :, blocks].reshape(2, LAYERS, -1, kv_heads, HEAD_DIM)[:, :, :s.done]
+            assert torch.equal(buf[:, :, :, :s.done], pages.permute(1, 0, 3, 2, 4))
+    assert torch.equal(paged.nan_to_num(), ref_cache.nan_to_num())
+    assert store.nbytes == 0 and not store.copies
+    return seen
+
+
+GQA = [(4, 4), (4, 2), (4, 1)]
+ROOMY = 1 << 30
+
+
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_decode(heads, kv_heads):
+    # Whole prompts cached in the pages but the last token: each copy is built from them.
+    seqs = [Seq(prefix=p - 1, prompt=p, decode=d) for p, d in
+            ((1, 3), (5, 4), (9, 2), (16, 5), (30, 3), (4, 1))]
+    seen = _run(seqs, heads, kv_heads, ROOMY, seed=heads + kv_heads)
+    assert seen["built"] == 5  # all but the one-token prompt
+
+
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_then_decode(heads, kv_heads, block_size):
+    seqs = [Seq(0, p, 3, arrive=a) for p, a in ((7, 0), (1, 0), (16, 1), (33, 0), (5, 2))]
+    _run(seqs, heads, kv_heads, ROOMY, block_size, seed=10 * heads + kv_heads)
+
+
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_chunks_after_a_prefix(heads, kv_heads):
+    # Chunks of n > 1 behind a cached prefix: the causal mask is offset by it.
+    seqs = [Seq(10, 23, 2, chunk=5), Seq(0, 17, 1, chunk=8), Seq(12, 13, 3),
+            Seq(3, 40, 2, chunk=13, arrive=1)]
+    seen = _run(seqs, heads, kv_heads, ROOMY, seed=20 + heads + kv_heads)
+    assert seen["built"] == 3
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+def test_growth_by_doubling(heads, kv_heads):
+    seqs = [Seq(0, 60, 10), Seq(50, 62, 70, chunk=4), Seq(0, 3, 140)]
+    seen = _run(seqs, heads, kv_heads, ROOMY, seed=3)
+    assert seen["grown"] >= 3 and seen["lost"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_budget_running_out_mid_run(dtype):
+    """Room for about two minimal copies: sequences take copies, lose them when growing
+    would overrun, read their pages meanwhile, and rebuild copies from the pages once
+    others finish."""
+    kv_heads = 2
+    budget = int(2.5 * _copy_bytes(MIN_CAPACITY, kv_heads, dtype))
+    seqs = [Seq(0, 40, 30, chunk=16), Seq(20, 50, 25, chunk=7), Seq(0, 9, 12, arrive=1),
+            Seq(30, 31, 60, arrive=2), Seq(0, 5, 4, arrive=20), Seq(2, 70, 3, arrive=25)]
+    seen = _run(seqs, 4, kv_heads, budget, seed=7, dtype=dtype)
+    assert seen["mixed_steps"] > 0 and seen["lost"] > 0 and seen["built"] > 0
+    assert seen["grown"] > 0
+
+
+def test_no_budget_reads_pages():
+    seqs = [Seq(0, 6, 3), Seq(4, 9, 2)]
+    seen = _run(seqs, 4, 2, 0, seed=5)
+    assert seen["built"] == seen["grown"] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ragged_runs(seed):
+    rng = random.Random(seed)
+    heads, kv_heads = rng.choice(GQA)
+    seqs = []
+    for _ in range(rng.randint(2, 7)):
+        prompt = rng.randint(1, 70)
+        seqs.append(Seq(rng.randint(0, prompt - 1), prompt, rng.randint(1, 20),
+                        chunk=rng.randint(1, 32), arrive=rng.randint(0, 6)))
+    budget = rng.choice([ROOMY, int(rng.uniform(1, 4) * _copy_bytes(MIN_CAPACITY, kv_heads,
+                                                                     torch.float32))])
+    _run(seqs, heads, kv_heads, budget, rng.choice([4, 16]), seed=seed)
+
+
+def test_store_capacity_and_bytes():
+    paged = torch.zeros(2, LAYERS, 40, 4, 2, HEAD_DIM)
+    store = CpuKVStore(paged, ROOMY, max_model_len=150)
+    views = store.views_for_step([7], [list(range(40))], [10], [10])
+    assert views.with_copy == [0] and store.copies[7].shape == (LAYERS, 2, 2, 64, HEAD_DIM)
+    store.views_for_step([7], [list(range(40))], [1], [65])
+    assert store.copies[7].shape[3] == 128  # doubled
+    store.views_for_step([7], [list(range(40))], [1], [129])
+    assert store.copies[7].shape[3] == 150  # capped at the model's length
+    assert store.nbytes == store.copies[7].nbytes == _copy_bytes(150, 2, torch.float32)
+    store.drop(7)
+    store.drop(7)
+    assert store.nbytes == 0 and not store.copies
+
+
+def test_uses_cpu_attention():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert ops.uses_cpu_attention("torch", cpu, True)
+    assert not ops.uses_cpu_attention("torch", cpu, False)
+    assert not ops.uses_cpu_attention("triton", cpu, True)
+    assert not ops.uses_cpu_attention("torch", cuda, True)
+    assert cpu_attention.attention.__module__ == "nvllm.kernels.cpu_attention"
