@@ -100,9 +100,8 @@ class WorkerReady:
     rank: int
     stage: str
     num_blocks: int
-    info: dict
     KIND: ClassVar[int] = 10
-    SPEC: ClassVar[tuple] = ("int", "str", "int", "any")
+    SPEC: ClassVar[tuple] = ("int", "str", "int")
 
 
 @dataclass(slots=True)
@@ -167,6 +166,20 @@ def _is_ref(r: Any) -> bool:
     return True
 
 
+# Leaf field checks, by spec name (built once: _dec runs for every field of every frame).
+_CHECKS: dict[str, Any] = {
+    "int": _is_int,
+    "?int": lambda x: x is None or _is_int(x),
+    "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+    "str": lambda x: isinstance(x, str),
+    "bool": lambda x: isinstance(x, bool),
+    # type() is int: a C-speed check per element that also refuses bools.
+    "ints": lambda x: type(x) is list and all(type(i) is int for i in x),
+    "any": lambda x: True,
+    "?refs": lambda x: x is None or (type(x) is list and all(_is_ref(r) for r in x)),
+}
+
+
 def _dec(spec: Any, v: Any, where: str) -> Any:
     if isinstance(spec, list):
         if not isinstance(v, list):
@@ -177,18 +190,7 @@ def _dec(spec: Any, v: Any, where: str) -> Any:
             raise ProtocolError(f"{where}: expected {spec.__name__} with {len(spec.SPEC)} fields")
         return spec(*[_dec(s, x, f"{where}.{f.name}")
                       for s, x, f in zip(spec.SPEC, v, dataclasses.fields(spec))])
-    ok = {
-        "int": _is_int,
-        "?int": lambda x: x is None or _is_int(x),
-        "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-        "str": lambda x: isinstance(x, str),
-        "bool": lambda x: isinstance(x, bool),
-        # type() is int: a C-speed check per element that also refuses bools.
-        "ints": lambda x: type(x) is list and all(type(i) is int for i in x),
-        "any": lambda x: True,
-        "?refs": lambda x: x is None or (type(x) is list and all(_is_ref(r) for r in x)),
-    }[spec](v)
-    if not ok:
+    if not _CHECKS[spec](v):
         raise ProtocolError(f"{where}: expected {spec}, got {type(v).__name__}")
     return float(v) if spec == "float" else v
 

@@ -2,24 +2,20 @@
 
 The scheduler asks three things of it: what prefix of a sequence is already cached
 (``get_computed_blocks``), room for the next tokens (``allocate_slots``), and to give a
-sequence's blocks back (``free``). After each step the engine calls
-``cache_computed_blocks`` as it sends a plan: a block enters the prefix cache once the
-plan that computes it is on its way, which is safe because workers execute plans in
-order, so any later plan that reads the block runs after it was written (and a failed
-worker group takes the whole prefix cache with it).
+sequence's blocks back (``free``). The scheduler calls ``cache_computed_blocks`` as it
+accounts for each plan (and again as sampled tokens arrive): a block enters the prefix
+cache once the plan that computes it is on its way, which is safe because workers
+execute plans in order, so any later plan that reads the block runs after it was
+written (and a failed worker group takes the whole prefix cache with it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nvllm.leader import block_pool
-from nvllm.leader.block_pool import BlockPool, KVBlock
+from nvllm.common.utils import cdiv
+from nvllm.leader import block_pool  # one import: tests swap block_pool.hash_block_tokens
 from nvllm.leader.sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -36,7 +32,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = block_pool.BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
 
     @property
@@ -60,7 +56,7 @@ class KVCacheManager:
                 block_pool.hash_block_tokens(parent, seq.token_ids[j * bs:(j + 1) * bs]))
         return seq.block_hashes[i]
 
-    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
+    def get_computed_blocks(self, seq: Sequence) -> list[block_pool.KVBlock]:
         """Longest cached prefix of a sequence that holds no blocks, in full blocks.
 
         At most num_tokens - 1 tokens can hit: the last token is always computed so
@@ -69,7 +65,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hits: list[KVBlock] = []
+        hits: list[block_pool.KVBlock] = []
         parent_entry = 0
         for i in range((seq.num_tokens - 1) // bs):
             block = self.pool.lookup(self._block_hash(seq, i),
@@ -81,7 +77,7 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+                       computed_blocks: list[block_pool.KVBlock] | None = None) -> bool:
         """Make room for num_new_tokens more tokens after the computed ones.
 
         With computed_blocks (a new or resumed sequence), those cache hits become the

@@ -224,7 +224,7 @@ def run_worker(spec: dict) -> None:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
         result_sock.send(worker_protocol.encode(worker_protocol.WorkerReady(
-            rank, "loaded", runner.available_kv_blocks(), {"block_bytes": runner.block_bytes()})))
+            rank, "loaded", runner.available_kv_blocks())))
         reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,
                             threaded=device.type == "cuda")
         while True:
@@ -234,7 +234,7 @@ def run_worker(spec: dict) -> None:
             if isinstance(msg, worker_protocol.InitKVCache):
                 runner.init_kv_cache(msg.num_blocks)
                 result_sock.send(worker_protocol.encode(
-                    worker_protocol.WorkerReady(rank, "kv", msg.num_blocks, {})))
+                    worker_protocol.WorkerReady(rank, "kv", msg.num_blocks)))
             elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:

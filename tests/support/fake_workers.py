@@ -66,7 +66,7 @@ class FakeWorkers:
         self.plans: list[protocol.StepPlan] = []
         self.other: list = []
         self.seqs: dict[int, FakeSeq] = {}
-        self.inbox: deque = deque([protocol.WorkerReady(0, "loaded", NUM_BLOCKS, {})])
+        self.inbox: deque = deque([protocol.WorkerReady(0, "loaded", NUM_BLOCKS)])
         self.num_recvs = 0
         # Per plan: how many messages the engine had received when it sent the plan.
         self.recvs_before_plan: list[int] = []
@@ -89,7 +89,7 @@ class FakeWorkers:
         msg = protocol.decode(data)
         if isinstance(msg, protocol.InitKVCache):
             self.num_kv_blocks = msg.num_blocks
-            self.inbox.append(protocol.WorkerReady(0, "kv", NUM_BLOCKS, {}))
+            self.inbox.append(protocol.WorkerReady(0, "kv", NUM_BLOCKS))
         elif isinstance(msg, protocol.StepPlan):
             self.plans.append(msg)
             self.recvs_before_plan.append(self.num_recvs)

@@ -304,6 +304,10 @@ class ArrayWriter:
         return res.commit()
 
     def put(self, array: Any, timeout_s: float | None = None) -> ArrayRef:
+        """One array in a region of its own. The engine's plans use reserve/commit
+        (nvllm/common/plan_arrays.py); this general API, per-reader ``holders`` and
+        ``ArrayReader.release`` are kept for the CUDA IPC path and for bulky per-request
+        payloads (e.g. compiled grammars for structured output), and are tested as such."""
         return self.put_many([array], timeout_s)[0]
 
     # ---- acknowledgements -------------------------------------------------------------
