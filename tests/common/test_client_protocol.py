@@ -1,0 +1,109 @@
+"""The client wire: docs/protocol.md matches the types, messages round-trip, and every
+malformed frame maps to its error code without echoing what the client sent."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import msgpack
+import pytest
+
+from nvllm.common import client_protocol as cp
+from nvllm.common.outputs import CompletionDelta
+from nvllm.common.sampling_params import SamplingParams
+
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def _doc_tables() -> dict[str, dict[str, list[str]]]:
+    """section title -> op -> the fields its row lists."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    section = None
+    for line in DOC.read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        m = re.match(r"\| `(\w+)` \|([^|]*)\|", line)
+        if m and section in ("Client → leader", "Leader → client"):
+            tables.setdefault(section, {})[m.group(1)] = re.findall(r"`(\w+)`", m.group(2))
+    return tables
+
+
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+@pytest.mark.parametrize("section,types", [("Client → leader", cp.CLIENT_MESSAGES),
+                                           ("Leader → client", cp.SERVER_MESSAGES)])
+def test_the_protocol_doc_lists_every_type_and_field(section, types):
+    table = _doc_tables()[section]
+    assert {c.OP: _fields(c) for c in types} == table
+
+
+def test_client_messages_round_trip():
+    sub = cp.Submit("r1", None, [5, 6], SamplingParams(temperature=0, max_tokens=3,
+                                                       stop=["x"]), priority=-2, ttl_ms=250.0,
+                    stream=False)
+    assert cp.decode_client_frame(cp.encode(sub)) == sub
+    for msg in (cp.Abort(7), cp.InfoRequest(), cp.HealthRequest(), cp.MetricsRequest(),
+                cp.Ping()):
+        assert cp.decode_client_frame(cp.encode(msg)) == msg
+
+
+def test_server_messages_round_trip():
+    delta = CompletionDelta("r", 1, [3, 4], "ab", [{3: -0.5}, {4: -1.0}], "stop",
+                            {"prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 0})
+    out = cp.decode_server_frame(cp.encode(cp.Output.of(delta, "client-id")))
+    assert out.to_delta() == dataclasses.replace(delta, request_id="client-id")
+    info = cp.Info(1, "m", "/p", 64, 100, 512, 16, 2, True)
+    for msg in (cp.Error(None, "bad_op", "x"), info, cp.Health(False, "why"),
+                cp.Metrics("text"), cp.Pong()):
+        assert cp.decode_server_frame(cp.encode(msg)) == msg
+    assert "usage" not in msgpack.unpackb(cp.encode(cp.Output.of(
+        CompletionDelta("r", 0, [1], "a"), "r")))  # only on a completion's last message
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+SECRET = "s3cr3t-" * 20
+
+
+@pytest.mark.parametrize("frame,code,rid", [
+    (b"\xc1\xc1", "bad_frame", None),
+    (_pack([1, 2]), "bad_frame", None),
+    (_pack({"op": "submit", "id": [SECRET]}), "invalid_request", None),
+    (_pack({"op": "info", "v": 2}), "bad_version", None),
+    (_pack({"op": "info", "v": SECRET}), "bad_version", None),
+    (_pack({"op": SECRET, "id": "a"}), "bad_op", "a"),
+    (_pack({"op": ["x"] * 50}), "bad_op", None),
+    (_pack({"op": "submit", "prompt": "hi"}), "invalid_request", None),
+    (_pack({"op": "submit", "id": "a", "prompt": "hi", "prompt_token_ids": [1]}),
+     "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": 5}), "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt_token_ids": SECRET}), "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "params": [1]}), "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "params": {"temperature": -1}}),
+     "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "stream": 1}), "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "priority": 1.5}), "invalid_request",
+     "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "ttl_ms": float("nan")}),
+     "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "ttl_ms": True}), "invalid_request",
+     "a"),
+])
+def test_bad_frames_get_their_code_and_no_echo(frame, code, rid):
+    with pytest.raises(cp.ClientProtocolError) as e:
+        cp.decode_client_frame(frame)
+    assert (e.value.code, e.value.request_id) == (code, rid)
+    assert e.value.message and SECRET not in e.value.message
+
+
+def test_clients_skip_malformed_leader_frames():
+    assert cp.decode_server_frame(b"\xc1") is None
+    assert cp.decode_server_frame(_pack([1])) is None
+    assert cp.decode_server_frame(_pack({"op": "output", "index": "x"})) is None
+    assert cp.decode_server_frame(_pack({"op": "nope"})) is None
