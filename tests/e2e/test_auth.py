@@ -201,7 +201,7 @@ def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
         ctx = zmq.Context()
         thief = ctx.socket(zmq.PULL)
         thief.setsockopt(zmq.LINGER, 0)
-        thief.connect(llm._workers.client.plan_endpoints[1])
+        thief.connect(llm.engine.executor.workers.plan_endpoints[1])
         time.sleep(0.5)
         try:
             got = [o.token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]

@@ -243,9 +243,9 @@ def test_a_stuck_step_trips_the_watchdog(tiny):
     llm = LLM(tiny("qwen3"), device="cpu", tensor_parallel_size=1, step_timeout_s=1.0)
     try:
         # Swallow the plans so the (live, heartbeating) worker never computes a step.
-        for sock in llm._workers.client.plan_socks:
+        for sock in llm.engine.executor.workers.plan_socks:
             sock.close(0)
-        llm._workers.client.plan_socks = []
+        llm.engine.executor.workers.plan_socks = []
         with pytest.raises(EngineDeadError, match="no answer from the workers within 1 s"):
             llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
@@ -296,7 +296,7 @@ def test_garbage_on_the_result_socket_changes_nothing(llm):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(llm._workers.client.result_endpoint)
+    sock.connect(llm.engine.executor.workers.result_endpoint)
     for frame in (b"\xc1garbage", pickle.dumps({"x": 1}), msgpack.packb([99, 1, 2]),
                   msgpack.packb([11, "not an int", [], [], None, 0.0]),
                   protocol.encode(protocol.StepResult(10**9, [0], [5], None, 0.0))):
@@ -306,7 +306,7 @@ def test_garbage_on_the_result_socket_changes_nothing(llm):
     # frame (ZMQ drops it and the sender's connection) change nothing either.
     hb = ctx.socket(zmq.DEALER)
     hb.setsockopt(zmq.LINGER, 1000)
-    hb.connect(llm._workers.client.heartbeat_endpoint)
+    hb.connect(llm.engine.executor.workers.heartbeat_endpoint)
     for frame in (b"\xc1", pickle.dumps([0, 1, "h"]), msgpack.packb([7, 1, "h"]),
                   msgpack.packb(["0", 1, "h"]), b"\x00" * 10_000):
         hb.send(frame)
@@ -315,7 +315,7 @@ def test_garbage_on_the_result_socket_changes_nothing(llm):
     time.sleep(0.2)
     after = llm.generate("Hello there", p, use_tqdm=False)[0].token_ids
     assert after == before
-    assert llm._workers.client.check_alive() is None
+    assert llm.engine.executor.workers.check_alive() is None
     assert_no_blocks_held(llm)
 
 

@@ -137,7 +137,7 @@ def test_exact_with_every_plan_by_reference(tiny, monkeypatch):
              plan_shm_mib=1, **STRESS) as llm:
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False)
-        writer = llm.engine.plan_writer
+        writer = llm.engine.executor.plan_writer
         assert writer.num_shm > 100 and writer.num_inline == 0
         assert llm.engine.scheduler.num_preemptions > 0
         name = writer.name

@@ -49,7 +49,7 @@ def test_restart_recomputes_in_flight_requests_exactly(tiny, procs):
         assert got == expected
         new = llm.worker_pids
         assert set(new).isdisjoint(old) and not any(procs.pid_alive(p) for p in old)
-        assert llm.engine.restarts_left == 1
+        assert llm.engine.executor.restarts_left == 1
         assert "nvllm:worker_restarts_total" in llm.engine.metrics.exposition()
         kv = llm.engine.kv
         assert kv.num_free_blocks == kv.num_blocks

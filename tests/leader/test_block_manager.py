@@ -1,7 +1,7 @@
 """KVCacheManager / BlockPool: prefix-cache hits and stats, ref counts, eviction, collisions.
 
 Whole lifecycles run through the real Scheduler and a fake model (``Sim``), which applies
-each step the way ``LLMEngine._apply_result`` does and checks, every step, that a sequence
+each step the way ``Scheduler.update_from_output`` does and checks, every step, that a sequence
 only reads blocks holding the KV of exactly its own prefix and only writes blocks it owns.
 """
 

@@ -1,6 +1,6 @@
 """IncrementalDetokenizer with the tiny checkpoints' real byte-level BPE tokenizer.
 
-Output tokens are fed the way ``LLMEngine._apply_result`` feeds them (one at a time,
+Output tokens are fed the way ``OutputProcessor.process`` feeds them (one at a time,
 ``finished=True`` on the last one, then ``flush()``) and the streamed text is compared
 with a full ``tokenizer.decode`` of the same ids.
 """

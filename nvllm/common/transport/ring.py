@@ -46,6 +46,7 @@ from nvllm.common.transport.refs import (
     dtype_name,
     inline_ref,
 )
+from nvllm.common.utils import cdiv
 
 try:  # the module SharedMemory itself uses; readers map segments read-only through it
     import _posixshmem
@@ -71,7 +72,7 @@ def new_buffer_name() -> str:
 
 
 def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
+    return cdiv(n, to) * to
 
 
 class _Owned:
@@ -353,7 +354,7 @@ class ArrayWriter:
         return self._owned.cuda.view(offset, shape, DTYPES[dt])
 
     def _alloc(self, nbytes: int, timeout_s: float | None) -> tuple[int, int, int]:
-        k = -(-nbytes // self.slot_bytes)
+        k = cdiv(nbytes, self.slot_bytes)
         if k > self.num_slots:
             raise ValueError(f"a payload of {nbytes} bytes is larger than the whole ring "
                              f"({self.capacity} bytes): raise capacity_bytes or send it "
