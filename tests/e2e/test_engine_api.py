@@ -211,6 +211,11 @@ def test_a_stopped_worker_is_found_by_its_missing_heartbeats(tiny, procs):
     _death_is_reported(llm, signal.SIGSTOP, "rank 1 .* sent no heartbeat", 512, 5, procs)
 
 
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(") ", 1)[1][0]
+
+
 def test_a_suspended_engine_resumes(tiny, procs):
     """Ctrl-Z then fg stops the leader and its workers together: on resume neither side
     may take its own pause for the other's death."""
@@ -232,7 +237,17 @@ def test_a_suspended_engine_resumes(tiny, procs):
         first = proc.stdout.readline().split()
         assert first[0] == "ready", proc.stderr.read() if proc.poll() is not None else first
         os.killpg(proc.pid, signal.SIGSTOP)
-        time.sleep(5)  # 2.5x the heartbeat timeout
+        group = [proc.pid, *map(int, first[1:])]
+        # Every process of the group stays stopped for 2.5x the heartbeat timeout, counted
+        # from when the last one is seen stopped (SIGSTOP lands asynchronously).
+        deadline, since = time.monotonic() + 10, None
+        while since is None or time.monotonic() - since < 5.0:
+            stopped = all(proc_state(p) == "T" for p in group)
+            if since is None and stopped:
+                since = time.monotonic()
+            assert since is not None or time.monotonic() < deadline, "SIGSTOP did not land"
+            assert since is None or stopped, "a process of the group ran while stopped"
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGCONT)
         proc.stdin.write("go\n")
         proc.stdin.flush()
