@@ -190,6 +190,7 @@ def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
     engine's own workers (keyed) run as usual, and a stray PULL peer on a plan endpoint,
     which without auth could take plans round-robin, gets nothing and takes nothing."""
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     from nvllm.common.config import DistConfig
 
@@ -201,8 +202,19 @@ def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
         ctx = zmq.Context()
         thief = ctx.socket(zmq.PULL)
         thief.setsockopt(zmq.LINGER, 0)
+        monitor = thief.get_monitor_socket()
         thief.connect(llm.engine.executor.workers.plan_endpoints[1])
-        time.sleep(0.5)
+        # Until the leader has refused the thief's handshake (or dropped its connection).
+        refused = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                   zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}
+        deadline = time.monotonic() + 10
+        while True:
+            assert monitor.poll(max(1, int(1000 * (deadline - time.monotonic())))), \
+                "the leader neither refused nor dropped the unauthenticated peer"
+            if recv_monitor_message(monitor)["event"] in refused:
+                break
+        thief.disable_monitor()
+        monitor.close()
         try:
             got = [o.token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]
             assert got == ref

@@ -133,17 +133,27 @@ def test_stop_token_ids_and_min_tokens(llm):
 
 
 def test_bfloat16_runs_and_tracks_float32(tiny):
+    """bf16 cannot equal float32 token for token (near-ties flip under rounding); the
+    criterion of tests/e2e/test_cuda.py, over the whole generated sequence: against HF run
+    in float32 on the engine's own output (teacher forcing), every generated token is in
+    HF's top-5 at its position, and at least 90% of them are HF's top-1."""
+    import hf_ref
+
     model = tiny("qwen3-bf16")
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42]]
-    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42], list(range(100, 140))]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(model, device="cpu", tensor_parallel_size=2) as bf:
         assert bf.config.dtype == "bfloat16"
-        outs_bf = bf.generate(prompts, p, use_tqdm=False)
-    with LLM(model, device="cpu", dtype="float32") as fp:
-        outs_fp = fp.generate(prompts, p, use_tqdm=False)
-    for a, b in zip(outs_bf, outs_fp):
-        assert len(a.token_ids) == 8
-        assert a.token_ids[0] == b.token_ids[0]  # same first greedy token
+        outs_bf = bf.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+    top1 = total = 0
+    for q, out in zip(prompts, outs_bf):
+        assert len(out.token_ids) == 24
+        top5 = hf_ref.logprobs(model, q, out.token_ids).topk(5, dim=-1).indices.tolist()
+        for pos, t in enumerate(out.token_ids):
+            assert t in top5[pos], f"token {t} at {pos} is outside HF fp32's top-5"
+            top1 += t == top5[pos][0]
+            total += 1
+    assert top1 / total >= 0.9, f"only {top1}/{total} tokens are HF's top-1"
 
 
 def test_shutdown_stops_every_worker(tiny, procs):
@@ -202,6 +212,11 @@ def test_a_stopped_worker_is_found_by_its_missing_heartbeats(tiny, procs):
     _death_is_reported(llm, signal.SIGSTOP, "rank 1 .* sent no heartbeat", 512, 5, procs)
 
 
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(") ", 1)[1][0]
+
+
 def test_a_suspended_engine_resumes(tiny, procs):
     """Ctrl-Z then fg stops the leader and its workers together: on resume neither side
     may take its own pause for the other's death."""
@@ -223,7 +238,17 @@ def test_a_suspended_engine_resumes(tiny, procs):
         first = proc.stdout.readline().split()
         assert first[0] == "ready", proc.stderr.read() if proc.poll() is not None else first
         os.killpg(proc.pid, signal.SIGSTOP)
-        time.sleep(5)  # 2.5x the heartbeat timeout
+        group = [proc.pid, *map(int, first[1:])]
+        # Every process of the group stays stopped for 2.5x the heartbeat timeout, counted
+        # from when the last one is seen stopped (SIGSTOP lands asynchronously).
+        deadline, since = time.monotonic() + 10, None
+        while since is None or time.monotonic() - since < 5.0:
+            stopped = all(proc_state(p) == "T" for p in group)
+            if since is None and stopped:
+                since = time.monotonic()
+            assert since is not None or time.monotonic() < deadline, "SIGSTOP did not land"
+            assert since is None or stopped, "a process of the group ran while stopped"
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGCONT)
         proc.stdin.write("go\n")
         proc.stdin.flush()

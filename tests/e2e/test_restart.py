@@ -23,6 +23,16 @@ def engine(tiny, **kw) -> LLM:
                max_num_batched_tokens=16, num_kv_blocks=64, **kw)
 
 
+def restarts(exposition: str) -> float:
+    """The value of nvllm:worker_restarts_total in a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [s.value for f in text_string_to_metric_families(exposition) for s in f.samples
+              if s.name == "nvllm:worker_restarts_total"]
+    assert len(values) == 1, values
+    return values[0]
+
+
 def run_with_fault(llm: LLM, kill_at_step: int, sig=signal.SIGKILL) -> dict[str, list[int]]:
     engine = llm.engine
     ids = {engine.add_request(engine.input_processor.process(p, PARAMS)).request_id: p
@@ -43,6 +53,7 @@ def test_restart_recomputes_in_flight_requests_exactly(tiny, procs):
                     for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)}
     with engine(tiny, restart_workers=True, max_worker_restarts=2) as llm:
         old = llm.worker_pids
+        assert restarts(llm.engine.metrics.exposition()) == 0
         # Step 6: prompts are mid-prefill (chunked) and some are decoding; cached prefixes
         # exist; everything must be recomputed on the new workers.
         got = run_with_fault(llm, kill_at_step=6)
@@ -50,7 +61,7 @@ def test_restart_recomputes_in_flight_requests_exactly(tiny, procs):
         new = llm.worker_pids
         assert set(new).isdisjoint(old) and not any(procs.pid_alive(p) for p in old)
         assert llm.engine.executor.restarts_left == 1
-        assert "nvllm:worker_restarts_total" in llm.engine.metrics.exposition()
+        assert restarts(llm.engine.metrics.exposition()) == 1
         kv = llm.engine.kv
         assert kv.num_free_blocks == kv.num_blocks
         # A second fault, then the budget is spent: the third fails requests cleanly.
@@ -106,6 +117,7 @@ def test_served_streams_survive_a_worker_death_with_restart(tiny, procs):
     try:
         with Client(endpoint, timeout_s=120) as c:
             expected = c.generate("Once upon a time", params).token_ids
+            assert restarts(c.metrics()) == 0
             tokens = []
             for i, delta in enumerate(c.stream("Once upon a time", params)):
                 tokens += delta.token_ids
@@ -113,7 +125,7 @@ def test_served_streams_survive_a_worker_death_with_restart(tiny, procs):
                     os.kill(pids[1], signal.SIGKILL)
             assert tokens == expected  # no token lost, none repeated, none different
             assert c.health()["ready"] is True
-            assert "nvllm:worker_restarts_total" in c.metrics()
+            assert restarts(c.metrics()) == 1
             # Idle: a death is handled without waiting for the next request.
             new = procs.worker_pids_of(proc.pid)
             assert len(new) == 2 and set(new).isdisjoint(pids)
@@ -121,6 +133,7 @@ def test_served_streams_survive_a_worker_death_with_restart(tiny, procs):
             _wait(lambda: set(procs.worker_pids_of(proc.pid)).isdisjoint(new)
                   and len(procs.worker_pids_of(proc.pid)) == 2, 60)
             assert c.generate("Once upon a time", params).token_ids == expected
+            assert restarts(c.metrics()) == 2
     finally:
         stop_process(proc, signal.SIGINT)
 

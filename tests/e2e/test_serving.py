@@ -345,7 +345,11 @@ def test_batch_timeout_gathers_arrivals_into_the_first_prefill(tiny):
         with RawClient(s.endpoint, timeout_s=60) as c:
             for i in range(3):
                 c.send_map({"op": "submit", "id": i, "prompt": f"prompt {i}", "params": GREEDY})
-                time.sleep(0.15)
+                # Arrivals one at a time: each is in the engine before the next is sent.
+                deadline = time.monotonic() + 10
+                while len(llm.engine.requests) < i + 1:
+                    assert time.monotonic() < deadline, f"submit {i} never reached the engine"
+                    time.sleep(0.01)
             done = 0
             while done < 3:
                 done += c.recv_map(time.monotonic() + 60).get("finish_reason") is not None
@@ -409,7 +413,11 @@ def test_a_flood_of_bad_frames_is_logged_at_a_bounded_rate(served, caplog):
             c._sock.send(b"\xc1")
         for _ in range(25):
             assert c.recv_map(time.monotonic() + 30)["code"] == "bad_frame"
-        time.sleep(1.1)
+        # Until the server's one-second log window has rolled over.
+        deadline = time.monotonic() + 10
+        while time.monotonic() - served.server._log_window[0] <= 1.0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         c._sock.send(b"\xc1")
         assert c.recv_map(time.monotonic() + 30)["code"] == "bad_frame"
     lines = [r.getMessage() for r in caplog.records if r.name == "nvllm.leader.server"]

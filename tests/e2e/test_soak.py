@@ -15,6 +15,7 @@ import pytest
 
 from nvllm import LLM
 from nvllm.common.client import AsyncClient
+from nvllm.common.errors import NvllmError
 from nvllm.leader.server import EngineServer
 
 pytestmark = pytest.mark.e2e
@@ -23,24 +24,90 @@ NUM_REQUESTS = int(os.environ.get("NVLLM_SOAK_REQUESTS", "400"))
 NUM_CONNECTIONS = 20
 
 
+class Timeout(Exception):
+    pass
+
+
+async def aborted_job(endpoint: str, job: dict) -> tuple[int, int, list[str]]:
+    """A job aborted after a few tokens, over its own DEALER speaking docs/protocol.md:
+    (finals, errors, problems). It must end with exactly one terminal message (finish_reason
+    "abort", unless it finished by itself first) and nothing after it, which a `health`
+    round trip, answered after everything sent before it, makes observable."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    problems: list[str] = []
+
+    async def send(msg: dict) -> None:
+        await sock.send(msgpack.packb({"v": 1, **msg}, use_bin_type=True))
+
+    async def recv() -> dict:
+        """The next message other than a pong; pings every second while waiting (a silent
+        client has its requests aborted)."""
+        deadline = time.monotonic() + 120
+        while True:
+            if await sock.poll(1000):
+                m = msgpack.unpackb(await sock.recv(), raw=False, strict_map_key=False)
+                if m.get("op") != "pong":
+                    return m
+            elif time.monotonic() > deadline:
+                raise Timeout("no message in 120 s")
+            else:
+                await send({"op": "ping"})
+
+    finals = errors = n = 0
+    try:
+        await send({"op": "submit", "id": "a", "prompt_token_ids": job["prompt"],
+                    "params": job["params"], "ttl_ms": job["ttl_ms"]})
+        sent_abort = False
+        while not (finals or errors):
+            m = await recv()
+            if m["op"] == "error":
+                errors += 1
+            elif m["op"] == "output":
+                n += len(m["token_ids"])
+                if m["finish_reason"] is not None:
+                    finals += 1
+                    if sent_abort and m["finish_reason"] not in ("abort", "length", "stop",
+                                                                 "timeout"):
+                        problems.append(f"finish_reason {m['finish_reason']}")
+                    job["finish_reason"] = m["finish_reason"]
+            if not sent_abort and n >= job["abort_after"] and not (finals or errors):
+                await send({"op": "abort", "id": "a"})
+                sent_abort = True
+        await send({"op": "health"})
+        while (m := await recv())["op"] != "health":
+            problems.append(f"after the terminal message: {m}")
+    finally:
+        sock.close()
+    return finals, errors, problems
+
+
 async def one_connection(endpoint: str, jobs: list[dict], report: list) -> None:
     client = AsyncClient(endpoint, timeout_s=120)
 
     async def run(job: dict) -> None:
         t0 = time.monotonic()
-        finals, errors, n = 0, 0, 0
+        finals, errors, n, problems = 0, 0, 0, []
         try:
-            stream = client.stream(job["prompt"], job["params"], ttl_ms=job["ttl_ms"])
-            async for d in stream:
-                n += len(d.token_ids)
-                finals += d.finish_reason is not None
-                if job["abort_after"] is not None and n >= job["abort_after"] and not finals:
-                    await stream.aclose()  # leaving the stream aborts the request
-                    break
-        except Exception as e:  # an error message is a terminal message too
+            if job["abort_after"] is not None:
+                finals, errors, problems = await aborted_job(endpoint, job)
+            else:
+                async for d in client.stream(job["prompt"], job["params"],
+                                             ttl_ms=job["ttl_ms"]):
+                    n += len(d.token_ids)
+                    finals += d.finish_reason is not None
+        except (TimeoutError, asyncio.TimeoutError, Timeout) as e:  # a hang, not an answer
+            problems.append(f"timed out: {e!r}")
+        except NvllmError as e:  # the leader's error message is a terminal message too
             errors += 1
             job["error"] = repr(e)
-        report.append((job, finals, errors, time.monotonic() - t0))
+        report.append((job, finals, errors, time.monotonic() - t0, problems))
 
     await asyncio.gather(*(run(j) for j in jobs))
     client.close()
@@ -74,10 +141,12 @@ def test_soak(tiny):
         asyncio.run(main())
         wall = time.monotonic() - t0
         assert len(report) == NUM_REQUESTS
-        for job, finals, errors, _ in report:
-            if job["abort_after"] is None:
-                # Exactly one terminal message: a final output, or an error.
-                assert finals + errors == 1, (job, finals, errors)
+        for job, finals, errors, _, problems in report:
+            assert not problems, (job, problems)
+            # Exactly one terminal message: a final output, or an error.
+            assert finals + errors == 1, (job, finals, errors)
+        aborted = [j for j, *_ in report if j["abort_after"] is not None]
+        assert sum(j.get("finish_reason") == "abort" for j in aborted) > len(aborted) // 2
         kv = llm.engine.kv
         deadline = time.monotonic() + 10
         while (llm.engine.requests or kv.num_free_blocks != kv.num_blocks) \

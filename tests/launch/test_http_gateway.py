@@ -1,5 +1,7 @@
 """nvllm-serve, the OpenAI-compatible HTTP gateway, driven with the official openai client
-against a real engine (nvllm-launch, tiny qwen3, CPU) started once for the module."""
+(tests that use it skip without the package) and with plain HTTP against a real engine
+(nvllm-launch, tiny qwen3, CPU) started once for the module, and against an in-test fake
+leader that records what the gateway submits."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from subproc import free_port, read_until, stop_process, wait_healthy
-
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +43,17 @@ def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str, list
     return proc, endpoint, pids
 
 
+class Served(SimpleNamespace):
+    @property
+    def client(self):
+        """The official openai client; the test using it skips without the package."""
+        if "_client" not in self.__dict__:
+            openai = pytest.importorskip("openai")
+            self._client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="x",
+                                         timeout=TIMEOUT_S, max_retries=0)
+        return self._client
+
+
 @pytest.fixture(scope="module")
 def server(tiny, procs, tmp_path_factory):
     from nvllm.launch.openai.cli import start_gateway_process
@@ -58,9 +69,7 @@ def server(tiny, procs, tmp_path_factory):
                                             stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, gateway, 60)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=TIMEOUT_S,
-                               max_retries=0)
-        yield SimpleNamespace(model=model, endpoint=endpoint, base=base, client=client)
+        yield Served(model=model, endpoint=endpoint, base=base)
     finally:
         if gateway is not None:
             stop_process(gateway, signal.SIGTERM)
@@ -273,43 +282,69 @@ def test_chat_logprobs_and_max_completion_tokens(server):
 # ---- errors and aborts ---------------------------------------------------------------------
 
 
+# (route, body, status, param, code, a regex the message must match)
 BAD_BODIES = [
-    ("/v1/completions", b'{"prompt": "hi", ', 400),  # not JSON
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
-    ("/v1/completions", {"prompt": "hi", "n": True}, 400),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
-    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400),
-    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400),
-    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400),
-    ("/v1/completions", {"max_tokens": 4}, 400),  # no prompt
-    ("/v1/completions", {"prompt": ["a", [1, 2]]}, 400),  # mixed batch
-    ("/v1/completions", {"prompt": []}, 400),
-    ("/v1/completions", {"prompt": [5000]}, 400),  # outside the vocabulary (leader)
-    ("/v1/completions", {"prompt": [5] * 2000}, 400),  # over max_model_len (leader)
-    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
-    ("/v1/chat/completions", {"messages": []}, 400),
-    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),
-    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400),
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None, "invalid_json",
+     r"^the body is not valid JSON: "),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature",
+     "invalid_value", r"^temperature: .*valid number"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature",
+     "invalid_value", r"^temperature: .*greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "invalid_value",
+     r"^n: .*greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n", "invalid_value",
+     r"^n: .*valid integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens",
+     "invalid_value", r"^max_tokens: .*greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens",
+     "invalid_value", r"^max_tokens is 1000000000, more than the model's context length "
+                      r"\(1024\)$"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "invalid_value",
+     r"^logprobs: .*less than or equal to 20"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "invalid_value",
+     r"^top_p: .*less than or equal to 1"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "invalid_value",
+     r"^seed: .*greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "invalid_value",
+     r"^stop: must be a string or a list of strings$"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "invalid_value",
+     r"^prompt: Field required"),  # no prompt
+    ("/v1/completions", {"prompt": ["a", [1, 2]]}, 400, "prompt", "invalid_value",
+     r"^prompt: must be a string, a list of token ids, or a non-empty list of either "
+     r"\(not mixed\)$"),  # mixed batch
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "invalid_value", r"^prompt is empty$"),
+    ("/v1/completions", {"prompt": [5000]}, 400, None, "rejected",
+     r"^token id 5000 at position 0 is outside the vocabulary"),  # (leader)
+    ("/v1/completions", {"prompt": [5] * 2000}, 400, None, "rejected",
+     r"^prompt has 2000 tokens, max_model_len is 1024$"),  # (leader)
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "model",
+     "model_not_found", r"^the model 'no-such-model' does not exist; this server serves "
+                        r"'tiny-qwen3'$"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_value",
+     r"^messages: .*at least 1 item"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role",
+     "invalid_value", r"^messages\.0\.role: Field required"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs",
+     "invalid_value", r"^top_logprobs needs logprobs: true$"),
 ]
 
 
-@pytest.mark.parametrize("route,body,status", BAD_BODIES,
+@pytest.mark.parametrize("route,body,status,param,code,message", BAD_BODIES,
                          ids=[f"{i}" for i in range(len(BAD_BODIES))])
-def test_invalid_requests_get_openai_errors(server, route, body, status):
+def test_invalid_requests_get_openai_errors(server, route, body, status, param, code, message):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{server.base}{route}", timeout=TIMEOUT_S,
                    headers={"content-type": "application/json"}, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code), err
+    assert re.search(message, err["message"]), err["message"]
 
 
 def test_errors_through_the_openai_client_and_server_keeps_serving(server, offline):
+    openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL_NAME, prompt=[5] * 2000, max_tokens=4)
     assert "max_model_len" in str(e.value)
@@ -450,3 +485,236 @@ def test_api_key_reaches_the_gateway_process_but_not_its_argv():
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     finally:
         stop_process(gateway, signal.SIGTERM)
+
+
+# ---- sampling parameters, logprobs and cached tokens reach the engine and come back ---------
+
+
+def post(server, route: str, body: dict) -> dict:
+    r = httpx.post(f"{server.base}{route}", json={"model": MODEL_NAME, **body},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_sampling_parameters_reach_the_engine(server, tokenizer):
+    """Each parameter changes the tokens in a way HF float32 predicts, so a gateway (or a
+    leader) that drops one fails: top_k=1 and min_p=1 turn T=1 sampling into greedy; the
+    penalties change greedy output exactly as the references say."""
+    import hf_ref
+
+    ids = tokenizer(PROMPTS[1]).input_ids  # its greedy text repeats: penalties change it
+    n = 12
+
+    def text(**kw) -> str:
+        return post(server, "/v1/completions",
+                    {"prompt": ids, "max_tokens": n, **kw})["choices"][0]["text"]
+
+    def dec(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    greedy = dec(hf_ref.greedy(server.model, ids, n))
+    assert text(temperature=0, ignore_eos=True) == greedy
+    sampled = {"temperature": 1.0, "seed": 3, "ignore_eos": True}
+    assert text(**sampled) != greedy, "T=1 sampling must differ from greedy for this check"
+    assert text(**sampled, top_k=1) == greedy
+    assert text(**sampled, min_p=1.0) == greedy
+    # Without ignore_eos: HF generate stops at eos as the engine does.
+    want = dec(hf_ref.generate(server.model, ids, n, repetition_penalty=1.5))
+    assert text(temperature=0, repetition_penalty=1.5) == want
+    assert want != dec(hf_ref.generate(server.model, ids, n)), "the penalty changes nothing"
+    for pen in ({"frequency_penalty": 1.5}, {"presence_penalty": 1.5}):
+        want = dec(hf_ref.greedy(server.model, ids, n, **pen))
+        assert text(temperature=0, ignore_eos=True, **pen) == want != greedy, pen
+
+
+def test_repeated_prompts_report_cached_tokens(server, tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def hits() -> float:
+        text = httpx.get(f"{server.base}/metrics", timeout=10).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "nvllm:prefix_cache_hits_total")
+
+    long = ("Walrus cobalt cache probe: a prompt long enough to span several KV blocks, "
+            "so that its second run is served from the prefix cache. " * 3)
+    n_prompt = len(tokenizer(long).input_ids)
+    before = hits()
+    body = {"prompt": long, "max_tokens": 2, "temperature": 0}
+    first = post(server, "/v1/completions", body)["usage"]
+    second = post(server, "/v1/completions", body)["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert n_prompt // 2 < cached < n_prompt and second["prompt_tokens"] == n_prompt
+    assert hits() - before >= cached
+    # Chat: the same conversation twice.
+    chat = {"messages": [{"role": "user", "content": long.replace("Walrus", "Heron")}],
+            "max_tokens": 2, "temperature": 0}
+    post(server, "/v1/chat/completions", chat)
+    usage = post(server, "/v1/chat/completions", chat)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] // 2
+
+
+def test_logprobs_equal_hf_and_text_offsets_add_up(server, tokenizer):
+    """T=1 seeded, so sampled tokens are not always the top one: the sampled token's
+    logprob and the top-k equal HF float32 log_softmax; the legacy text_offset is the
+    running length of the token texts."""
+    import hf_ref
+
+    from nvllm.common.client import Client
+
+    n, k = 10, 3
+    params = {"temperature": 1.0, "seed": 11, "max_tokens": n, "ignore_eos": True}
+    templated = tokenizer(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                        tokenize=False),
+                          add_special_tokens=False).input_ids
+    cases = [(tokenizer(PROMPTS[1]).input_ids, "/v1/completions"),
+             (templated, "/v1/chat/completions")]
+    not_top = 0
+    with Client(server.endpoint, timeout_s=TIMEOUT_S) as c:
+        for ids, route in cases:
+            # The seeded tokens, from the engine itself (same seed: the same draw).
+            sampled = c.generate(ids, params).token_ids
+            ref = hf_ref.logprobs(server.model, ids, sampled)
+            top = ref.topk(k, dim=-1)
+            if route == "/v1/completions":
+                lp = post(server, route, {"prompt": ids, "logprobs": k, **params}
+                          )["choices"][0]["logprobs"]
+                values, tops = lp["token_logprobs"], lp["top_logprobs"]
+                assert lp["text_offset"] == [sum(map(len, lp["tokens"][:j])) for j in range(n)]
+                for j in range(n):  # the sampled token is always listed
+                    assert tops[j][lp["tokens"][j]] == pytest.approx(values[j], abs=1e-6)
+                tops = [sorted(t.values(), reverse=True) for t in tops]
+            else:
+                body = {"messages": MESSAGES, "logprobs": True, "top_logprobs": k, **params}
+                content = post(server, route, body)["choices"][0]["logprobs"]["content"]
+                values = [x["logprob"] for x in content]
+                tops = [[t["logprob"] for t in x["top_logprobs"]] for x in content]
+            assert len(values) == len(tops) == n
+            for j, t in enumerate(sampled):
+                assert values[j] == pytest.approx(float(ref[j, t]), abs=1e-4), (route, j)
+                want = top.values[j].tolist()
+                if t not in top.indices[j].tolist() and route == "/v1/completions":
+                    want = sorted(want + [float(ref[j, t])], reverse=True)
+                assert tops[j] == pytest.approx(want, abs=1e-4), (route, j)
+                not_top += t != int(top.indices[j, 0])
+    assert not_top > 0, "no sampled token below the top-1: the check would be weak"
+
+
+# ---- every documented parameter reaches the leader's submit (a fake leader) ----------------
+
+
+class FakeLeader:
+    """A ZMQ ROUTER speaking docs/protocol.md: answers info/health/ping, records every
+    submit and answers each of its n completions with one final output (length)."""
+
+    def __init__(self, model_path: str) -> None:
+        import threading
+
+        import zmq
+
+        self.model_path = model_path
+        self.submits: list[dict] = []
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import msgpack
+
+        def send(peer: bytes, msg: dict) -> None:
+            self.sock.send_multipart([peer, msgpack.packb(msg, use_bin_type=True)])
+
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            peer, frame = self.sock.recv_multipart()
+            msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+            op = msg.get("op")
+            if op == "info":
+                send(peer, {"op": "info", "v": 1, "model": "fake", "ready": True,
+                            "model_path": self.model_path, "max_model_len": 1024,
+                            "vocab_size": 1024, "kv_capacity_tokens": 4096, "block_size": 16,
+                            "tensor_parallel_size": 1})
+            elif op == "health":
+                send(peer, {"op": "health", "ready": True})
+            elif op == "ping":
+                send(peer, {"op": "pong"})
+            elif op == "submit":
+                self.submits.append(msg)
+                p = msg["params"]
+                lps = None if p.get("logprobs") is None else [{5: -0.5, 6: -1.5}]
+                for index in range(int(p.get("n", 1))):
+                    send(peer, {"op": "output", "id": msg["id"], "index": index,
+                                "token_ids": [5], "text": "x", "logprobs": lps,
+                                "finish_reason": "length",
+                                "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                          "cached_tokens": 0}})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        self.sock.close()
+        self.ctx.term()
+
+
+# Every parameter README's "OpenAI-compatible HTTP" lists, set to a non-default value.
+COMMON = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 42, "n": 2,
+          "presence_penalty": 0.25, "frequency_penalty": -0.5, "ignore_eos": True,
+          "min_tokens": 2, "repetition_penalty": 1.2, "stop_token_ids": [7, 9],
+          "include_stop_str_in_output": True, "skip_special_tokens": False}
+ROUTING = {"priority": -3, "ttl_ms": 5000}
+
+FORWARDED = [  # (route, body beyond COMMON and ROUTING, what params must hold besides COMMON)
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 7, "stop": ["ab", "cd"], "logprobs": 3},
+     {"max_tokens": 7, "stop": ["ab", "cd"], "logprobs": 3}),
+    ("/v1/completions", {"prompt": [11, 12], "max_completion_tokens": 9, "stop": "ab"},
+     {"max_tokens": 9, "stop": ["ab"]}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "stop": ["ab"],
+                              "logprobs": True, "top_logprobs": 4},
+     {"max_tokens": 6, "stop": ["ab"], "logprobs": 4}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 8, "stop": "cd",
+                              "logprobs": True},
+     {"max_tokens": 8, "stop": ["cd"], "logprobs": 0}),
+]
+
+
+def test_every_documented_parameter_reaches_the_leader(tiny):
+    from fastapi.testclient import TestClient
+
+    from nvllm.launch.openai.app import GatewayConfig, create_app
+
+    leader = FakeLeader(tiny("qwen3"))
+    try:
+        with TestClient(create_app(GatewayConfig(leader.endpoint, "fake"))) as c:
+            for route, body, want in FORWARDED:
+                for stream in (False, True):
+                    n_before = len(leader.submits)
+                    r = c.post(route, json={"model": "fake", **COMMON, **ROUTING, **body,
+                                            "stream": stream})
+                    assert r.status_code == 200, r.text
+                    if not stream:
+                        assert len(r.json()["choices"]) == COMMON["n"]
+                        assert r.json()["usage"]["completion_tokens"] == COMMON["n"]
+                    assert len(leader.submits) == n_before + 1
+                    sub = leader.submits[-1]
+                    assert sub["op"] == "submit"
+                    assert (sub["priority"], sub["ttl_ms"]) == (-3, 5000), (route, body)
+                    params = sub["params"]
+                    for name, value in {**COMMON, **want}.items():
+                        assert name in params, f"{route} {body}: {name} not forwarded"
+                        assert params[name] == value, f"{route} {body}: {name}"
+                    if "prompt" in body:
+                        key = "prompt" if isinstance(body["prompt"], str) else \
+                            "prompt_token_ids"
+                        assert sub[key] == body["prompt"]
+                    else:
+                        assert sub["prompt_token_ids"]  # the templated conversation
+    finally:
+        leader.close()

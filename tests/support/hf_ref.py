@@ -1,0 +1,59 @@
+"""HF transformers float32 references for the end-to-end sampling tests: greedy decoding
+with the worker sampler's frequency/presence penalties, and teacher-forced logprobs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@torch.no_grad()
+def greedy(model_dir: str, prompt: list[int], max_tokens: int, *, frequency_penalty=0.0,
+           presence_penalty=0.0) -> list[int]:
+    """Greedy tokens, step by step: logits - freq * count - pres * (count > 0), counted over
+    the OUTPUT tokens only (as nvllm/worker/sampler.py, and vLLM, do)."""
+    model = hf_model(model_dir)
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        row = model(torch.tensor([ids])).logits[0, -1].float()
+        if out:
+            counts = torch.bincount(torch.tensor(out), minlength=row.shape[0]).float()
+            row = row - frequency_penalty * counts - presence_penalty * (counts > 0).float()
+        t = int(row.argmax())
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+@torch.no_grad()
+def generate(model_dir: str, prompt: list[int], max_tokens: int, **kw) -> list[int]:
+    """HF generate, greedy (it stops at eos, as nvllm does without ignore_eos)."""
+    model = hf_model(model_dir)
+    gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                         pad_token_id=0, **kw)
+    return gen[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab] float32 log_softmax of the logits each output token was drawn
+    from (teacher forcing on the engine's own output)."""
+    model = hf_model(model_dir)
+    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1)
