@@ -24,6 +24,9 @@ import numpy as np
 
 from nvllm.common.errors import NvllmError, ProtocolError
 
+# Step plans use SHM refs only (nvllm/common/plan_arrays.py). INLINE (a peer on another
+# host) and CUDA (GPU tensors by IPC handle) are kept, tested, for the GPU path and for
+# bulky per-request payloads such as compiled grammars for structured output.
 INLINE, SHM, CUDA = 0, 1, 2
 KIND_NAMES = {INLINE: "inline", SHM: "shm", CUDA: "cuda"}
 
