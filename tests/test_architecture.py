@@ -53,9 +53,14 @@ def test_no_document_links_outside_the_repository():
 
 def _nvllm_imports(path: pathlib.Path) -> set[str]:
     out = set()
+    package = path.relative_to(ROOT).parent.parts  # ("nvllm", "leader") for a leader module
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods = [node.module]
+        if isinstance(node, ast.ImportFrom):
+            # `from ..worker import x`, `from nvllm import worker`: resolve the module, and
+            # count each imported name as a possible submodule.
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            mods = [f"{module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             mods = [a.name for a in node.names]
         else:
