@@ -689,7 +689,14 @@ def _raw_post(base: str, path: str, head: dict[str, str], body_chunks, timeout_s
             sent += len(chunk)
             assert time.monotonic() < deadline, "no answer while sending"
         sock.settimeout(max(0.1, deadline - time.monotonic()))
-        return sock.recv(65536), sent
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: (\d+)", got, re.I).group(1)):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+        return got, sent
     finally:
         sock.close()
 
