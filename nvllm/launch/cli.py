@@ -70,7 +70,15 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
 @click.option("--served-model-name", default=None,
               help="Model name for HTTP clients (default: the model path).")
 @click.option("--api-key", default=None, envvar="NVLLM_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on the gateway's /v1 routes.")
+              help="Require 'Authorization: Bearer KEY' on the gateway (all but /health).")
+@click.option("--http-max-body-bytes", default=None, type=click.IntRange(min=1),
+              help="The gateway's largest request body (nvllm-serve --max-body-bytes; "
+                   "default 16 MiB).")
+@click.option("--http-trust-request-chat-template", is_flag=True,
+              help="nvllm-serve --trust-request-chat-template: requests may supply a chat "
+                   "template.")
+@click.option("--http-allow-priority", is_flag=True,
+              help="nvllm-serve --allow-priority: HTTP requests may set priority.")
 @click.option("--nnodes", default=1, type=int, help="Nodes the tensor-parallel group spans.")
 @click.option("--node-rank", default=0, type=int,
               help="This node's rank: 0 runs the leader and its workers, others only workers.")
@@ -96,7 +104,9 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: float,
            host: str, port: int, http_port: int | None, http_host: str,
-           served_model_name: str | None, api_key: str | None, nnodes: int, node_rank: int,
+           served_model_name: str | None, api_key: str | None,
+           http_max_body_bytes: int | None, http_trust_request_chat_template: bool,
+           http_allow_priority: bool, nnodes: int, node_rank: int,
            nproc_per_node: int | None, master_addr: str, master_port: int, leader_only: bool,
            curve_key_dir: str | None, max_frame_bytes: int, prompts: tuple[str, ...],
            demo: bool, max_tokens: int, temperature: float, log_level: str) -> None:
@@ -149,7 +159,10 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         else:
             _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
                    http_host if http_port is not None else None, http_port, api_key,
-                   shutdown_timeout)
+                   shutdown_timeout, {
+                       "max_body_bytes": http_max_body_bytes,
+                       "trust_request_chat_template": http_trust_request_chat_template,
+                       "allow_priority": http_allow_priority})
     finally:
         engine.shutdown()
 
@@ -177,7 +190,8 @@ def _generate(engine, prompts: list[str], max_tokens: int, temperature: float) -
 
 def _serve(engine, host: str, port: int, served_model_name: str | None,
            curve_key_dir: str | None, max_frame_bytes: int, http_host: str | None,
-           http_port: int | None, api_key: str | None, shutdown_timeout: float) -> None:
+           http_port: int | None, api_key: str | None, shutdown_timeout: float,
+           http_options: dict[str, Any] | None = None) -> None:
     """Serve clients on the ZMQ endpoint (and the HTTP gateway) until SIGINT/SIGTERM."""
     from nvllm.leader.server import EngineServer
 
@@ -193,7 +207,8 @@ def _serve(engine, host: str, port: int, served_model_name: str | None,
 
         gateway = start_gateway_process(server.endpoint, http_host, http_port,
                                         served_model_name, api_key=api_key,
-                                        curve_key_dir=curve_key_dir)
+                                        curve_key_dir=curve_key_dir,
+                                        **(http_options or {}))
         click.echo(f"OpenAI-compatible HTTP gateway on http://{http_host}:{http_port}/v1 "
                    f"(pid {gateway.pid})")
     try:

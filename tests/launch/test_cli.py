@@ -107,3 +107,65 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
+    """--http-max-body-bytes, --http-trust-request-chat-template and --http-allow-priority
+    reach start_gateway_process, and from there nvllm-serve's command line (no engine:
+    the builder, the ZMQ server and the gateway process are stand-ins)."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    import nvllm.launch.openai.cli as gateway_cli
+    from nvllm.launch import cli, engine_builder
+    from nvllm.leader import server as leader_server
+
+    engine = SimpleNamespace(executor=SimpleNamespace(group=SimpleNamespace(pids=[])),
+                             shutdown=lambda: None)
+    monkeypatch.setattr(engine_builder, "build_engine", lambda config, dist: engine)
+
+    class FakeServer:
+        def __init__(self, *a, **kw) -> None:
+            self.endpoint = "tcp://127.0.0.1:1"
+
+        def serve(self, stop, timeout) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(leader_server, "EngineServer", FakeServer)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    calls = []
+    real = gateway_cli.start_gateway_process
+
+    def fake_start(*args, **kwargs):
+        calls.append(kwargs)
+        popen = SimpleNamespace(pid=1, terminate=lambda: None, wait=lambda t=None: 0)
+        args_seen = {}
+
+        class Recorder:  # what the real function would run, without running it
+            def __init__(self, cmd, **kw) -> None:
+                args_seen["cmd"] = cmd
+
+        monkeypatch.setattr(gateway_cli.subprocess, "Popen", Recorder)
+        real(*args, **kwargs)
+        kwargs["cmd"] = args_seen["cmd"]
+        return popen
+
+    monkeypatch.setattr(gateway_cli, "start_gateway_process", fake_start)
+    base = ["--model", tiny("qwen3"), "--device", "cpu", "--http-port", "1"]
+    out = CliRunner().invoke(cli.launch, [*base, "--http-max-body-bytes", "12345",
+                                          "--http-trust-request-chat-template",
+                                          "--http-allow-priority"])
+    assert out.exit_code == 0, out.output
+    assert calls[-1]["max_body_bytes"] == 12345
+    assert calls[-1]["trust_request_chat_template"] and calls[-1]["allow_priority"]
+    cmd = calls[-1]["cmd"]
+    assert cmd[cmd.index("--max-body-bytes") + 1] == "12345"
+    assert "--trust-request-chat-template" in cmd and "--allow-priority" in cmd
+    out = CliRunner().invoke(cli.launch, base)  # defaults: nothing added
+    assert out.exit_code == 0, out.output
+    assert not {"--max-body-bytes", "--trust-request-chat-template",
+                "--allow-priority"} & set(calls[-1]["cmd"])

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from fake_leader import FakeLeader
 from subproc import free_port, read_until, stop_process, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -604,66 +605,6 @@ def test_logprobs_equal_hf_and_text_offsets_add_up(server, tokenizer):
 # ---- every documented parameter reaches the leader's submit (a fake leader) ----------------
 
 
-class FakeLeader:
-    """A ZMQ ROUTER speaking docs/protocol.md: answers info/health/ping, records every
-    submit and answers each of its n completions with one final output (length)."""
-
-    def __init__(self, model_path: str) -> None:
-        import threading
-
-        import zmq
-
-        self.model_path = model_path
-        self.submits: list[dict] = []
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        import msgpack
-
-        def send(peer: bytes, msg: dict) -> None:
-            self.sock.send_multipart([peer, msgpack.packb(msg, use_bin_type=True)])
-
-        while not self.stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            peer, frame = self.sock.recv_multipart()
-            msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-            op = msg.get("op")
-            if op == "info":
-                send(peer, {"op": "info", "v": 1, "model": "fake", "ready": True,
-                            "model_path": self.model_path, "max_model_len": 1024,
-                            "vocab_size": 1024, "kv_capacity_tokens": 4096, "block_size": 16,
-                            "tensor_parallel_size": 1})
-            elif op == "health":
-                send(peer, {"op": "health", "ready": True})
-            elif op == "ping":
-                send(peer, {"op": "pong"})
-            elif op == "submit":
-                self.submits.append(msg)
-                p = msg["params"]
-                lps = None if p.get("logprobs") is None else [{5: -0.5, 6: -1.5}]
-                for index in range(int(p.get("n", 1))):
-                    send(peer, {"op": "output", "id": msg["id"], "index": index,
-                                "token_ids": [5], "text": "x", "logprobs": lps,
-                                "finish_reason": "length",
-                                "usage": {"prompt_tokens": 3, "completion_tokens": 1,
-                                          "cached_tokens": 0}})
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
-        self.sock.close()
-        self.ctx.term()
-
-
 # Every parameter README's "OpenAI-compatible HTTP" lists, set to a non-default value.
 COMMON = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 42, "n": 2,
           "presence_penalty": 0.25, "frequency_penalty": -0.5, "ignore_eos": True,
@@ -692,7 +633,8 @@ def test_every_documented_parameter_reaches_the_leader(tiny):
 
     leader = FakeLeader(tiny("qwen3"))
     try:
-        with TestClient(create_app(GatewayConfig(leader.endpoint, "fake"))) as c:
+        with TestClient(create_app(GatewayConfig(leader.endpoint, "fake",
+                                                 allow_priority=True))) as c:
             for route, body, want in FORWARDED:
                 for stream in (False, True):
                     n_before = len(leader.submits)
@@ -718,3 +660,136 @@ def test_every_documented_parameter_reaches_the_leader(tiny):
                         assert sub["prompt_token_ids"]  # the templated conversation
     finally:
         leader.close()
+
+
+# ---- a hostile HTTP caller: huge bodies, request chat templates ------------------------------
+
+
+def _raw_post(base: str, path: str, head: dict[str, str], body_chunks, timeout_s: float
+              ) -> tuple[bytes, int]:
+    """POST over a raw socket, sending `body_chunks` until the server answers: (the start of
+    the response, the body bytes sent by then). httpx would send the whole body first."""
+    import select
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    try:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+                 *(f"{k}: {v}" for k, v in head.items())]
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        sent, deadline = 0, time.monotonic() + timeout_s
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the server answered before the body ended
+            try:
+                sock.sendall(chunk)
+            except OSError:  # it closed the connection: read its answer
+                break
+            sent += len(chunk)
+            assert time.monotonic() < deadline, "no answer while sending"
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: (\d+)", got, re.I).group(1)):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+        return got, sent
+    finally:
+        sock.close()
+
+
+def test_a_70mb_body_gets_413_quickly_and_others_keep_being_served(server, offline):
+    from nvllm.launch.openai.schemas import MAX_BODY_BYTES
+
+    total, mib = 70 << 20, b"1," * (1 << 19)  # 70 MiB of token ids, 1 MiB at a time
+    # Declared length over the limit: refused before the body is read.
+    t0 = time.monotonic()
+    head, sent = _raw_post(server.base, "/v1/completions", {"Content-Length": str(total)},
+                           [b'{"prompt": ['] + [mib] * 70, 10)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+    assert f"limit of {MAX_BODY_BYTES} bytes".encode() in head
+    assert time.monotonic() - t0 < 5 and sent < total // 2
+
+    # Chunked, no length: cut off at the limit. Partway, under the limit, another client is
+    # served while the upload is open.
+    def chunked():
+        yield b"%x\r\n%s\r\n" % (12, b'{"prompt": [')
+        for i in range(70):
+            if i == 8:
+                assert completion_text(server, PROMPTS[0]) == offline[0]
+            yield b"%x\r\n" % len(mib) + mib + b"\r\n"
+        yield b"0\r\n\r\n"
+
+    t0 = time.monotonic()
+    head, sent = _raw_post(server.base, "/v1/completions", {"Transfer-Encoding": "chunked"},
+                           chunked(), 60)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+    assert sent < total // 2, f"the gateway read {sent} bytes before answering"
+    assert time.monotonic() - t0 < 30
+    assert completion_text(server, PROMPTS[0]) == offline[0]
+
+
+# The CVE-2025-61620 shape (nested range(100000) loops), with an inner bound that ends in
+# seconds on a CPU core.
+HOSTILE_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(300) %}{% set k = i * j %}"
+                    "{% endfor %}{% endfor %}hi")
+
+
+def test_a_hostile_chat_template_is_refused_and_never_freezes_streams(server, tmp_path):
+    from nvllm.launch.openai.cli import start_gateway_process
+
+    # Refused by default, naming the field, at once.
+    for extra, param in (({"chat_template": HOSTILE_TEMPLATE}, "chat_template"),
+                         ({"chat_template_kwargs": {"chat_template": HOSTILE_TEMPLATE}},
+                          "chat_template_kwargs.chat_template")):
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.base}/v1/chat/completions", timeout=TIMEOUT_S,
+                       json={"messages": MESSAGES, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+
+    # An operator who trusts request templates: the render runs beside a live stream.
+    port = free_port()
+    with open(tmp_path / "gateway.log", "w") as log:
+        gateway = start_gateway_process(server.endpoint, "127.0.0.1", port, MODEL_NAME,
+                                        trust_request_chat_template=True, stdout=log,
+                                        stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, gateway, 60)
+        hostile = {"messages": MESSAGES, "max_tokens": 1, "chat_template": HOSTILE_TEMPLATE}
+        httpx.post(f"{base}/v1/chat/completions", timeout=TIMEOUT_S,  # tokenizer loaded
+                   json={"messages": MESSAGES, "max_tokens": 1})
+        import threading
+
+        times: list[float] = []
+        render: dict = {}
+
+        def render_hostile() -> None:
+            t0 = time.monotonic()
+            r = httpx.post(f"{base}/v1/chat/completions", json=hostile, timeout=120)
+            render.update(status=r.status_code, start=t0, end=time.monotonic())
+
+        body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 1000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            t = threading.Thread(target=render_hostile, daemon=True)
+            t.start()
+            for _ in lines:
+                times.append(time.monotonic())
+                if not t.is_alive():
+                    break
+            t.join(120)
+        assert render.get("status") == 200, render
+        assert render["end"] - render["start"] > 2, "the render was too quick to tell"
+        during = [b - a for a, b in zip(times, times[1:]) if render["start"] < a < render["end"]]
+        assert len(during) > 10 and max(during) < 1.0, (len(during), max(during, default=None))
+    finally:
+        stop_process(gateway, signal.SIGTERM)

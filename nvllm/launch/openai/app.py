@@ -1,11 +1,13 @@
 """The gateway's ASGI app: state and leader connection (opened with the app), error
 handlers, the request-counting middleware, ``/health``, ``/metrics``, ``/v1/models``, the
-API key check on ``/v1``, and the two generation routes (``completions``, ``chat``)."""
+API key check on every route but ``/health``, and the two generation routes
+(``completions``, ``chat``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator
 
@@ -21,6 +23,7 @@ from nvllm.launch.openai.state import CONTROL_TIMEOUT_S, GatewayConfig, GatewayS
 __all__ = ["GatewayConfig", "GatewayState", "create_app"]
 
 HEALTH_TIMEOUT_S = 2.0
+logger = logging.getLogger("nvllm.gateway")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -39,8 +42,8 @@ def _add_error_handlers(app: FastAPI) -> None:
                         code="method_not_allowed").response()
 
 
-def _v1_router(state: GatewayState) -> APIRouter:
-    """/v1/*: behind the API key when there is one."""
+def _key_check(state: GatewayState):
+    """The dependency that requires the API key, when there is one."""
 
     async def check_key(request: Request) -> None:
         if state.cfg.api_key is None:
@@ -52,7 +55,12 @@ def _v1_router(state: GatewayState) -> APIRouter:
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    return Depends(check_key)
+
+
+def _v1_router(state: GatewayState) -> APIRouter:
+    """/v1/*: behind the API key when there is one."""
+    v1 = APIRouter(prefix="/v1", dependencies=[_key_check(state)])
 
     @v1.get("/models")
     async def models() -> dict:
@@ -68,24 +76,31 @@ def _v1_router(state: GatewayState) -> APIRouter:
 
 
 def _add_health_and_metrics(app: FastAPI, state: GatewayState) -> None:
+    """/health answers every caller, so it says only ok or unavailable (the reason goes to
+    the log); /metrics needs the API key like /v1."""
     requests_total, latency, gateway_metrics_text = gateway_metrics()
     app.add_middleware(CountRequests, requests=requests_total, latency=latency)
     endpoint = state.cfg.endpoint
+    last_reason: list[str | None] = [None]
 
     @app.get("/health")
     async def health() -> Response:
         try:
             h = await asyncio.wait_for(state.client.health(), HEALTH_TIMEOUT_S)
+            reason = None if h.get("ready") else f"engine not ready: {h.get('reason')}"
         except (asyncio.TimeoutError, TimeoutError):
-            return JSONResponse({"status": "unavailable",
-                                 "reason": f"no answer from {endpoint}"}, 503)
+            reason = f"no answer from {endpoint}"
         except Exception as e:
-            return JSONResponse({"status": "unavailable", "reason": str(e)}, 503)
-        if h.get("ready"):
+            reason = f"{type(e).__name__}: {e}"
+        if reason != last_reason[0]:  # log changes, not every probe
+            if reason is not None:
+                logger.warning("health: unavailable: %s", reason)
+            last_reason[0] = reason
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": h.get("reason")}, 503)
+        return JSONResponse({"status": "unavailable"}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[_key_check(state)])
     async def metrics() -> Response:
         try:
             text = await asyncio.wait_for(state.client.metrics(), CONTROL_TIMEOUT_S)
@@ -112,6 +127,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             yield
         finally:
             state.client.close()
+            state.render_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="nvllm OpenAI-compatible gateway", lifespan=lifespan)
     app.state.gateway = state

@@ -41,15 +41,19 @@ def _messages(body: ChatBody) -> list[dict]:
 
 
 def _prompt_ids(tok: Any, body: ChatBody) -> list[int]:
-    """The chat template applied to the messages, as token ids."""
-    if not getattr(tok, "chat_template", None):
+    """The chat template applied to the messages, as token ids. CPU-bound (and a template
+    from the request, when the operator trusts those, may run long): called in the
+    gateway's render pool, never on the event loop."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None) or body.chat_template
+    if not template and not getattr(tok, "chat_template", None):
         raise ApiError(400, "the model's tokenizer has no chat template",
                        param="messages", code="no_chat_template")
     messages = _messages(body)
     try:
-        text = tok.apply_chat_template(messages, tokenize=False,
+        text = tok.apply_chat_template(messages, tokenize=False, chat_template=template,
                                        add_generation_prompt=body.add_generation_prompt,
-                                       **(body.chat_template_kwargs or {}))
+                                       **kwargs)
     except Exception as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from e
@@ -65,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")
-    prompt_ids = _prompt_ids(await state.tokenizer(), body)
+    prompt_ids = await state.render(_prompt_ids, await state.tokenizer(), body)
     limit = int((await state.info()).get("max_model_len") or 0)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(
         1, limit - len(prompt_ids))  # OpenAI's default: up to the context length

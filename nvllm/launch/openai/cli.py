@@ -14,6 +14,7 @@ import click
 
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.zmq_utils import is_loopback, load_client_keys
+from nvllm.launch.openai.schemas import MAX_BODY_BYTES
 
 
 def check_http_host(host: str, api_key: str | None) -> None:
@@ -26,10 +27,13 @@ def check_http_host(host: str, api_key: str | None) -> None:
 
 def start_gateway_process(endpoint: str, host: str, port: int, model_name: str | None = None,
                           *, api_key: str | None = None, curve_key_dir: str | None = None,
-                          log_level: str = "warning", **popen_kwargs: Any) -> subprocess.Popen:
+                          log_level: str = "warning", max_body_bytes: int | None = None,
+                          trust_request_chat_template: bool = False,
+                          allow_priority: bool = False, **popen_kwargs: Any
+                          ) -> subprocess.Popen:
     """Start ``python -m nvllm.launch.openai`` attached to `endpoint`; the caller owns
     the process (terminate it, then wait). Raises ValueError at once (no process) for a
-    non-loopback `host` without `api_key`."""
+    non-loopback `host` without `api_key`. The keyword options are nvllm-serve's flags."""
     check_http_host(host, api_key)
     cmd = [sys.executable, "-m", "nvllm.launch.openai", "--endpoint", endpoint,
            "--host", host, "--port", str(port), "--log-level", log_level]
@@ -37,6 +41,12 @@ def start_gateway_process(endpoint: str, host: str, port: int, model_name: str |
         cmd += ["--model-name", model_name]
     if curve_key_dir:
         cmd += ["--curve-key-dir", str(curve_key_dir)]
+    if max_body_bytes is not None:
+        cmd += ["--max-body-bytes", str(max_body_bytes)]
+    if trust_request_chat_template:
+        cmd += ["--trust-request-chat-template"]
+    if allow_priority:
+        cmd += ["--allow-priority"]
     env = dict(popen_kwargs.pop("env", None) or os.environ, NVLLM_PARENT_PID=str(os.getpid()))
     if api_key:  # by environment, not argv: ps shows every user a process's arguments
         env["NVLLM_API_KEY"] = api_key
@@ -61,7 +71,7 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--model-name", default=None,
               help="Model name clients use (default: the leader's model path).")
 @click.option("--api-key", default=None, envvar="NVLLM_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/*.")
+              help="Require 'Authorization: Bearer KEY' on every route but /health.")
 @click.option("--tokenizer", default=None,
               help="Tokenizer path for chat templates and logprob tokens (default: the "
                    "leader's model path).")
@@ -69,10 +79,20 @@ def _bind(host: str, port: int) -> socket.socket:
               type=click.Path(exists=True, file_okay=False),
               help="CURVE keys for a leader started with --curve-key-dir: this folder's "
                    "server.key and client.key_secret (env NVLLM_CURVE_KEY_DIR).")
+@click.option("--max-body-bytes", default=MAX_BODY_BYTES, type=click.IntRange(min=1),
+              help="Largest request body; a bigger one gets 413 (read no further).")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Let requests supply a chat template (chat_template, or in "
+                   "chat_template_kwargs); it is code the gateway runs, so refused by "
+                   "default.")
+@click.option("--allow-priority", is_flag=True,
+              help="Let HTTP requests set priority (lower runs first and may preempt "
+                   "others); refused by default.")
 @click.option("--log-level", default="info",
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: str | None,
-         tokenizer: str | None, curve_key_dir: str | None, log_level: str) -> None:
+         tokenizer: str | None, curve_key_dir: str | None, max_body_bytes: int,
+         trust_request_chat_template: bool, allow_priority: bool, log_level: str) -> None:
     """OpenAI-compatible HTTP server for a running nvllm engine."""
     try:
         check_http_host(host, api_key)
@@ -89,7 +109,10 @@ def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: s
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s nvllm-serve %(levelname)s %(message)s")
-    app = create_app(GatewayConfig(endpoint, model_name, api_key, tokenizer, curve_key_dir))
+    app = create_app(GatewayConfig(
+        endpoint, model_name, api_key, tokenizer, curve_key_dir, max_body_bytes=max_body_bytes,
+        trust_request_chat_template=trust_request_chat_template,
+        allow_priority=allow_priority))
     sock = _bind(host, port)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=5)

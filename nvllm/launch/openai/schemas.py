@@ -1,9 +1,13 @@
-"""Request bodies (strict pydantic models), their checks against the served model, and
-the SamplingParams map each body becomes for the leader."""
+"""Request bodies (strict pydantic models), the one place that says which OpenAI fields
+are refused or accepted-and-ignored, the size limits, the (off-event-loop) body reader and
+parser, their checks against the served model, and the SamplingParams map each body
+becomes for the leader."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+import asyncio
+import json
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -13,17 +17,78 @@ from nvllm.launch.openai.errors import ApiError, from_validation
 if TYPE_CHECKING:
     from nvllm.launch.openai.state import GatewayState
 
+# ---- limits ------------------------------------------------------------------------------
+# The gateway's own bounds, so a hostile body never makes it build or forward a huge list.
+# The leader enforces its own limits too (max_model_len, the vocabulary, its frame size,
+# SamplingParams.validate); these only have to be at least as loose as any useful request.
+MAX_BODY_BYTES = 16 << 20  # --max-body-bytes: ~10x a 128k-token prompt as JSON token ids
+MAX_PROMPTS = 256  # prompts in one /v1/completions batch
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # ids in one token-id prompt
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 1024  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 128
+MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat)
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256  # content parts in one message
+MAX_INT32 = 2**31 - 1  # every other integer field: token ids, counts, lengths
 _MAX_SEED = 2**63 - 1
+PARSE_INLINE_BYTES = 64 << 10  # bigger bodies are parsed in a worker thread
+
+# ---- OpenAI fields we do not implement: refused, never silently ignored ------------------
+# name -> the values that change nothing (sent by clients that fill in defaults); any other
+# value gets 400 naming the field. best_of is accepted only equal to n (checked below).
+UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),  # any value: without tools it only confuses
+    "suffix": (None, ""),
+    "best_of": (None,),
+    "echo": (None, False),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "use_beam_search": (None, False),  # vLLM's
+    "truncate_prompt_tokens": (None,),  # vLLM's
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,),  # vLLM's
+}
+# Fields that change nothing here and that clients send: accepted and dropped.
+ACCEPTED_IGNORED = frozenset({
+    "user", "safety_identifier", "store", "metadata", "service_tier",
+    "prompt_cache_key", "prompt_cache_retention",
+})
+# A request-supplied chat template is code run on the gateway (jinja2's sandbox stops
+# attribute abuse, not `{% for i in range(10**9) %}`): refused without the operator's
+# --trust-request-chat-template.
+CHAT_TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs.chat_template")
+# apply_chat_template's own arguments: never taken from chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "messages"})
+
+Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
-    # strict: "0.5" is not a temperature and true is not an n. Unknown keys (user, tools...)
-    # are ignored like OpenAI's optional features we do not implement.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # strict: "0.5" is not a temperature and true is not an n. Unknown keys are refused
+    # (the top level gets a clearer message from screen() first).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM bench's; usage comes at the end
 
 
 class SamplingBody(_Body):
@@ -32,24 +97,24 @@ class SamplingBody(_Body):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, max_length=64)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP)
     seed: int | None = Field(None, ge=0, le=_MAX_SEED)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # nvllm / vLLM extras
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     repetition_penalty: float | None = Field(None, gt=0, le=100)
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
-    ttl_ms: int | None = Field(None, ge=1, le=2**31 - 1)
-    stop_token_ids: list[int] | None = None
+    priority: int = Field(0, ge=-(2**31), le=MAX_INT32)  # only with --allow-priority
+    ttl_ms: int | None = Field(None, ge=1, le=MAX_INT32)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
 
@@ -59,12 +124,13 @@ class SamplingBody(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
 class CompletionBody(SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    prompt: (str | TokenIds | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)])
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ContentPart(_Body):
@@ -74,28 +140,120 @@ class ContentPart(_Body):
 
 class ChatMessage(_Body):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None \
+        = None
     name: str | None = None
 
 
 class ChatBody(SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 BodyT = TypeVar("BodyT", bound=SamplingBody)
 
 
-async def parse_body(request: Request, model: type[BodyT], state: GatewayState) -> BodyT:
-    """The request's body as `model`, checked against the served model and its limits."""
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk and refused (413) as soon as it passes `limit` bytes;
+    a Content-Length over the limit is refused before reading anything."""
+    def too_big() -> ApiError:
+        return ApiError(413, f"the request body is larger than the gateway's limit of "
+                             f"{limit} bytes (nvllm-serve --max-body-bytes)",
+                        param=None, code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_big()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _neutral(name: str, value: Any, raw: dict) -> bool:
+    if name == "best_of":
+        return value is None or value == raw.get("n", 1)
+    return any(value == v and type(value) is type(v) for v in UNSUPPORTED[name])
+
+
+def screen(raw: Any, model: type[BodyT], *, trust_template: bool = False,
+           allow_priority: bool = False) -> dict:
+    """The top-level fields `model` validates; refused fields (unsupported, unknown, a
+    request chat template or priority the operator did not allow) raise ApiError 400."""
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_value")
+    out = {}
+    for name, value in raw.items():
+        if name in model.model_fields:
+            out[name] = value
+        elif name in UNSUPPORTED:
+            if not _neutral(name, value, raw):
+                raise ApiError(400, f"{name} is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        elif name not in ACCEPTED_IGNORED:
+            raise ApiError(400, f"unrecognized request field: {name}", param=str(name),
+                           code="unknown_parameter")
+    if "priority" in out and not allow_priority:
+        raise ApiError(400, "priority is not allowed over HTTP on this server (the operator "
+                            "enables it with --allow-priority)", param="priority",
+                       code="unsupported_parameter")
+    kwargs = out.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        for key in kwargs:
+            if key in _RESERVED_TEMPLATE_KWARGS:
+                raise ApiError(400, f"chat_template_kwargs cannot set {key}",
+                               param=f"chat_template_kwargs.{key}", code="invalid_value")
+    templates = [("chat_template", out.get("chat_template")),
+                 ("chat_template_kwargs.chat_template",
+                  kwargs.get("chat_template") if isinstance(kwargs, dict) else None)]
+    for param, template in templates:
+        if template is not None and not trust_template:
+            raise ApiError(400, f"{param}: a chat template from the request is not allowed "
+                                "on this server (the operator enables it with "
+                                "--trust-request-chat-template)", param=param,
+                           code="unsupported_parameter")
+    return out
+
+
+def parse(raw: bytes, model: type[BodyT], *, trust_template: bool = False,
+          allow_priority: bool = False) -> BodyT:
+    """Bytes -> a validated body (CPU-bound: big bodies run it in a worker thread)."""
     try:
-        body = model.model_validate_json(raw or b"{}")
+        data = json.loads(raw or b"{}", parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, NaN, an integer of over 4300 digits
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    data = screen(data, model, trust_template=trust_template, allow_priority=allow_priority)
+    try:
+        return model.model_validate(data)
     except ValidationError as e:
         raise from_validation(e) from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
+
+
+async def parse_body(request: Request, model: type[BodyT], state: GatewayState) -> BodyT:
+    """The request's body as `model`, checked against the served model and its limits."""
+    cfg = state.cfg
+    raw = await read_body(request, cfg.max_body_bytes)
+    kw = {"trust_template": cfg.trust_request_chat_template,
+          "allow_priority": cfg.allow_priority}
+    if len(raw) > PARSE_INLINE_BYTES:
+        body = await asyncio.to_thread(parse, raw, model, **kw)
+    else:
+        body = parse(raw, model, **kw)
     await state.check_model(body.model)
     check_body(body, (await state.info()).get("max_model_len"))
     return body
@@ -113,9 +271,6 @@ def check_body(body: SamplingBody, limit: int | None) -> None:
                             f"({mt})", param="min_tokens", code="invalid_value")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options",
-                       code="invalid_value")
-    if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
-        raise ApiError(400, "stop_token_ids must be non-negative", param="stop_token_ids",
                        code="invalid_value")
 
 

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from nvllm.common.client import AsyncClient
 from nvllm.launch.openai.errors import ApiError
+from nvllm.launch.openai.schemas import MAX_BODY_BYTES
 from nvllm.launch.openai.tokens import TokenText
 
 CONTROL_TIMEOUT_S = 10.0  # info / metrics: the leader answers these between engine steps
@@ -21,6 +23,9 @@ class GatewayConfig:
     api_key: str | None = None
     tokenizer: str | None = None  # default: the path in the leader's info()["model"]
     curve_key_dir: str | None = None  # CURVE keys for the leader connection
+    max_body_bytes: int = MAX_BODY_BYTES  # bigger request bodies get 413
+    trust_request_chat_template: bool = False  # a chat template from the request is code
+    allow_priority: bool = False  # HTTP callers may set priority (and preempt others)
 
 
 class GatewayState:
@@ -33,6 +38,13 @@ class GatewayState:
         self._tokenizer: Any = None
         self._tokens: TokenText | None = None
         self._lock = asyncio.Lock()
+        # Chat templates render here, off the event loop and apart from the default
+        # executor (body parsing, tokenizer loading), so slow renders cannot stall those.
+        self.render_pool = ThreadPoolExecutor(4, thread_name_prefix="nvllm-render")
+
+    async def render(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the render pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.render_pool, fn, *args)
 
     async def info(self) -> dict:
         if self._info is None:

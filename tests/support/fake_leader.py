@@ -1,0 +1,67 @@
+"""A fake leader for gateway tests: a ZMQ ROUTER speaking docs/protocol.md."""
+
+from __future__ import annotations
+
+
+class FakeLeader:
+    """A ZMQ ROUTER speaking docs/protocol.md: answers info/health/metrics/ping, records every
+    submit and answers each of its n completions with one final output (length)."""
+
+    def __init__(self, model_path: str) -> None:
+        import threading
+
+        import zmq
+
+        self.model_path = model_path
+        self.submits: list[dict] = []
+        self.ready = True  # health: False answers not ready, with a reason naming the path
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import msgpack
+
+        def send(peer: bytes, msg: dict) -> None:
+            self.sock.send_multipart([peer, msgpack.packb(msg, use_bin_type=True)])
+
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            peer, frame = self.sock.recv_multipart()
+            msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+            op = msg.get("op")
+            if op == "info":
+                send(peer, {"op": "info", "v": 1, "model": "fake", "ready": True,
+                            "model_path": self.model_path, "max_model_len": 1024,
+                            "vocab_size": 1024, "kv_capacity_tokens": 4096, "block_size": 16,
+                            "tensor_parallel_size": 1})
+            elif op == "health":
+                send(peer, {"op": "health", "ready": self.ready, "reason": None if self.ready
+                            else f"engine failed loading {self.model_path}"})
+            elif op == "metrics":
+                send(peer, {"op": "metrics", "text": "fake_leader_up 1\n"})
+            elif op == "ping":
+                send(peer, {"op": "pong"})
+            elif op == "submit":
+                self.submits.append(msg)
+                p = msg["params"]
+                lps = None if p.get("logprobs") is None else [{5: -0.5, 6: -1.5}]
+                for index in range(int(p.get("n", 1))):
+                    send(peer, {"op": "output", "id": msg["id"], "index": index,
+                                "token_ids": [5], "text": "x", "logprobs": lps,
+                                "finish_reason": "length",
+                                "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                          "cached_tokens": 0}})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        self.sock.close()
+        self.ctx.term()
