@@ -59,6 +59,7 @@ class EngineServer:
             raise ValueError(f"max_frame_bytes must be an integer >= {MIN_FRAME_BYTES}, got "
                              f"{max_frame_bytes!r}")
         self.engine = engine
+        self.limits = cp.ClientLimits.from_config(engine.config)
         self.model_name = model_name or engine.config.model
         self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
@@ -110,10 +111,19 @@ class EngineServer:
     # ---- receiving ---------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
-        client, payload = frames[0], frames[-1]
+        """One client frame. Whatever it does, it is answered and the loop goes on."""
+        client = frames[0]
+        try:
+            self._handle_one(client, frames[-1])
+        except Exception:  # a bug reached by one frame must not end the serve loop
+            logger.exception("error while handling a client frame")
+            self._error(client, None, "internal_error", "the leader failed to handle this "
+                                                        "message; it is still serving")
+
+    def _handle_one(self, client: bytes, payload: bytes) -> None:
         self._last_seen[client] = time.monotonic()
         try:
-            msg = cp.decode_client_frame(payload)
+            msg = cp.decode_client_frame(payload, self.limits)
         except cp.ClientProtocolError as e:
             return self._error(client, e.request_id, e.code, e.message)
         if isinstance(msg, cp.Ping):
@@ -215,7 +225,12 @@ class EngineServer:
     # ---- the loop ----------------------------------------------------------------------
 
     def _drain(self, timeout_ms: int) -> None:
-        while self.sock.poll(timeout_ms):
+        """Read what clients sent, at most max_client_frames_per_step frames: the rest
+        waits in ZMQ's queues (and, past its high-water mark, in the senders' own), so a
+        flood delays its sender, not the running streams."""
+        for _ in range(self.engine.config.max_client_frames_per_step):
+            if not self.sock.poll(timeout_ms):
+                return
             self._handle(self.sock.recv_multipart())
             timeout_ms = 0
 
@@ -253,7 +268,7 @@ class EngineServer:
             elif swept:
                 # Idle: a worker death (or, with restart_workers, its recovery) must not
                 # wait for the next request; health answers the truth meanwhile.
-                self.engine.check_workers()
+                self._emit(self.engine.check_workers().deltas)
         except EngineDeadError as e:
             self._fail_everything(str(e))
 
