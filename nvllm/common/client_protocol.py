@@ -305,10 +305,13 @@ def _decode_submit(msg: dict, rid: RequestId | None, limits: ClientLimits) -> Su
     if ids is not None:
         if not isinstance(ids, list):
             raise bad("'prompt_token_ids' must be a list of integers")
+        # What the engine could never serve is `rejected`, as the engine itself says it.
         if len(ids) > limits.max_model_len:
-            raise bad(f"prompt has {len(ids)} tokens, max_model_len is {limits.max_model_len}")
+            raise ClientProtocolError("rejected", f"prompt has {len(ids)} tokens, "
+                                      f"max_model_len is {limits.max_model_len}", rid)
         if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in ids):
-            raise bad("prompt_token_ids must be integers in [0, 2**63)")
+            raise ClientProtocolError("rejected", "a prompt token id is outside the "
+                                      "vocabulary (token ids are integers from 0)", rid)
     stream = msg.get("stream", True)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a bool")

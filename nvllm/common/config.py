@@ -167,6 +167,9 @@ class EngineConfig:
         64 << 20, "Most bytes of new sequences (token ids, block tables) one step plan "
                   "carries; more wait for the next step. Keeps every plan far below the "
                   "workers' 256 MiB frame limit.")
+    max_client_outbox: int = _setting(
+        4096, "Most messages queued for a client that stops reading (beyond ZMQ's own "
+              "buffer); past it the client is evicted and its requests aborted.")
     max_client_frames_per_step: int = _setting(
         256, "Most client messages the leader reads between two engine steps, so a flood "
              "delays its sender, not the running streams.")

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 << 20
 MIN_FRAME_BYTES = 1024
 IDLE_POLL_MS = 100
+FLUSH_ON_CLOSE_S = 2.0  # shutdown: how long final messages may take to leave
+_EVICTED_REMEMBERED = 4096
 _LOG_PER_S = 10
 
 
@@ -64,6 +66,11 @@ class EngineServer:
         self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, max_msg_bytes=max_frame_bytes)
+        # A message to a client that is gone or full raises instead of vanishing (it then
+        # waits in that client's outbox), and a client that reconnects with its identity
+        # (nvllm clients keep one per object) takes its streams over.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = None
         try:
             if curve_key_dir is not None:  # CURVE options must be set before bind
@@ -84,14 +91,61 @@ class EngineServer:
         self._ids = itertools.count()
         self._last_sweep = time.monotonic()
         self._log_window = [0.0, 0]  # [window start, bad frames logged in it]
+        # Messages a client could not take yet, in order; bounded by max_client_outbox.
+        self._outbox: dict[bytes, deque[bytes]] = {}
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()
 
     # ---- sending -----------------------------------------------------------------------
 
     def _send(self, client: bytes, msg: Any) -> None:
+        """Send now, or queue behind what the client has not taken yet; never block, and
+        never drop a message silently (an overflowing client is evicted)."""
+        if client in self._evicted:
+            return
+        frame = cp.encode(msg)
+        box = self._outbox.get(client)
+        if box is None and self._try_send(client, frame):
+            return
+        if box is None:
+            box = self._outbox[client] = deque()
+        box.append(frame)
+        if len(box) > self.engine.config.max_client_outbox:
+            self._evict(client)
+
+    def _try_send(self, client: bytes, frame: bytes) -> bool:
         try:
-            self.sock.send_multipart([client, cp.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.Again:  # a client that stopped reading loses messages, not the server
-            logger.warning("dropping a message to a client that does not read")
+            self.sock.send_multipart([client, frame], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # its ZMQ queue is full: it reads slower than it is sent
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # not connected now (it may come back)
+                return False
+            raise
+
+    def _flush(self) -> None:
+        """Send what waits in outboxes, oldest first, as far as each client takes it."""
+        for client, box in list(self._outbox.items()):
+            while box and self._try_send(client, box[0]):
+                box.popleft()
+            if not box:
+                del self._outbox[client]
+
+    def _evict(self, client: bytes) -> None:
+        """A client that stopped reading: a ROUTER cannot drop one peer, so its requests
+        end, its queued messages go, and its later frames get an `evicted` error."""
+        live = self._by_client.pop(client, {})
+        logger.warning("client %s stopped reading (%d messages queued for it): evicted, "
+                       "%d request(s) aborted", client.hex()[:10],
+                       len(self._outbox.get(client, ())), len(live))
+        self._outbox.pop(client, None)
+        self._evicted[client] = None
+        if len(self._evicted) > _EVICTED_REMEMBERED:
+            self._evicted.popitem(last=False)
+        self.engine.metrics.clients_evicted.inc()
+        for ours in live.values():
+            self._owners.pop(ours, None)
+            self.engine.abort_request(ours)
 
     def _error(self, client: bytes, rid: Any, code: str, message: str) -> None:
         # Every refusal is logged (malformed frames as warnings), but a flood of garbage
@@ -121,6 +175,11 @@ class EngineServer:
                                                         "message; it is still serving")
 
     def _handle_one(self, client: bytes, payload: bytes) -> None:
+        if client in self._evicted:
+            frame = cp.encode(cp.Error(None, "evicted", "this client stopped reading its "
+                                       "messages and was evicted; connect anew"))
+            self._try_send(client, frame)
+            return
         self._last_seen[client] = time.monotonic()
         try:
             msg = cp.decode_client_frame(payload, self.limits)
@@ -211,6 +270,9 @@ class EngineServer:
             if not self._by_client.get(client):
                 self._by_client.pop(client, None)
                 self._last_seen.pop(client, None)
+        for client in list(self._outbox):
+            if client not in self._by_client and now - self._last_seen.get(client, 0) > limit:
+                del self._outbox[client]  # replies to a client long gone
         return True
 
     def _fail_everything(self, error: str) -> None:
@@ -257,8 +319,14 @@ class EngineServer:
         for rid in list(self.engine.requests):
             self._emit(self.engine.abort_request(rid).deltas)
         self._drain(0)
+        deadline = time.monotonic() + FLUSH_ON_CLOSE_S  # final messages get out, boundedly
+        while self._outbox and time.monotonic() < deadline:
+            self._flush()
+            if self._outbox:
+                self._drain(10)
 
     def _step(self) -> None:
+        self._flush()
         swept = self._sweep_silent_clients()
         if self.dead is not None:
             return
@@ -273,7 +341,8 @@ class EngineServer:
             self._fail_everything(str(e))
 
     def close(self) -> None:
-        self.sock.close(0)
+        # What ZMQ still holds for clients leaves within the linger, never later.
+        self.sock.close(linger=int(FLUSH_ON_CLOSE_S * 1000))
         if self._auth is not None:  # its ZAP socket lives on ctx: stop it before term
             self._auth.stop()
             self._auth = None
