@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +20,7 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from nvllm.common import client_protocol as cp
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
@@ -27,6 +29,14 @@ from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.zmq_utils import curve_client
 
 PING_INTERVAL_S = 1.0
+# A lost connection to the leader that is not back within this fails the live requests
+# (engine_unavailable) instead of leaving them to wait for timeout_s.
+LINK_GRACE_S = 5.0
+# An AsyncClient request whose caller leaves this many messages unread is aborted, so a
+# slow reader costs only its own request (the socket is always read).
+MAX_BUFFERED = 4096
+_LINK_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 # What a stream yields: the engine's own delta type (kept under the name clients know).
 StreamDelta = CompletionDelta
 
@@ -67,10 +77,31 @@ def _control_result(msg: Any) -> dict:
     return cp.to_map(msg)
 
 
+class _Link:
+    """Whether the connection to the leader is up, from the socket monitor's events."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.down_since: float | None = None
+
+    def on_event(self, event: int) -> None:
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            self.up, self.down_since = True, None
+        elif self.up and self.down_since is None:  # disconnected or closed
+            self.down_since = time.monotonic()
+
+    def lost(self) -> bool:
+        return self.down_since is not None and time.monotonic() - self.down_since > LINK_GRACE_S
+
+
 def _connect(ctx: zmq.Context, endpoint: str, timeout_s: float,
              curve_key_dir: str | os.PathLike | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # One random identity per client object, kept across reconnects: the leader
+    # (ROUTER_HANDOVER) hands the new connection this client's streams, and nobody can
+    # guess it to take them.
+    sock.setsockopt(zmq.ROUTING_ID, b"nv" + secrets.token_bytes(15))
     # A send blocks while there is no connection to queue on (after a refused CURVE
     # handshake there is none): bound it like every wait for an answer.
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
@@ -114,6 +145,8 @@ class Client:
         self._prefix = f"c{os.getpid()}-{id(self):x}-"
         self._inbox: dict[str, deque] = defaultdict(deque)  # replies for other requests
         self._last_ping = 0.0
+        self._link = _Link()
+        self._monitor = self._sock.get_monitor_socket(_LINK_EVENTS)
 
     def _send(self, frame: bytes, *, best_effort: bool = False) -> None:
         """Send, waiting at most timeout_s for room; `best_effort` (pings, aborts on the
@@ -132,6 +165,12 @@ class Client:
                 self._last_ping = now
             if now > deadline:
                 raise TimeoutError(self._no_answer)
+            while self._monitor.poll(0):
+                self._link.on_event(parse_monitor_message(self._monitor.recv_multipart())
+                                    ["event"])
+            if self._link.lost():
+                raise EngineDeadError(f"lost the connection to the leader at {self.endpoint} "
+                                      f"for over {LINK_GRACE_S:g} s")
             if self._sock.poll(int(min(PING_INTERVAL_S, deadline - now) * 1000) + 1):
                 msg = cp.decode_server_frame(self._sock.recv())
                 if msg is not None and not isinstance(msg, cp.Pong):
@@ -197,6 +236,8 @@ class Client:
         self._send(cp.encode(cp.Abort(request_id)))
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
         self._ctx.term()
 
@@ -211,14 +252,18 @@ class AsyncClient:
     """asyncio client: any number of concurrent requests over one socket."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
-                 curve_key_dir: str | os.PathLike | None = None) -> None:
+                 curve_key_dir: str | os.PathLike | None = None,
+                 max_buffered: int = MAX_BUFFERED) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.max_buffered = max_buffered
         self._ctx = zmq.asyncio.Context()
         self._sock = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
         self._no_answer = _no_answer_hint(endpoint, timeout_s, curve_key_dir)
         self._ids = itertools.count()
         self._prefix = f"a{os.getpid()}-{id(self):x}-"
+        self._link = _Link()
+        self._monitor = self._sock.get_monitor_socket(_LINK_EVENTS)
         self._queues: dict[str, asyncio.Queue] = {}
         self._control: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -226,7 +271,8 @@ class AsyncClient:
     def _ensure_tasks(self) -> None:
         if not self._tasks:
             loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._reader()), loop.create_task(self._pinger())]
+            self._tasks = [loop.create_task(self._reader()), loop.create_task(self._pinger()),
+                           loop.create_task(self._watch())]
 
     async def _send(self, frame: bytes, *, best_effort: bool = False) -> None:
         """As Client._send (zmq.asyncio honours SNDTIMEO)."""
@@ -243,7 +289,7 @@ class AsyncClient:
                 continue  # undecodable: one bad frame must not stop the reader
             rid = getattr(msg, "id", None)
             if rid is not None and str(rid) in self._queues:
-                self._queues[str(rid)].put_nowait(msg)
+                self._deliver(str(rid), msg)
             elif msg.OP in self._control and not self._control[msg.OP].done():
                 self._control.pop(msg.OP).set_result(msg)
             elif isinstance(msg, cp.Error) and rid is None and self._control:
@@ -253,10 +299,43 @@ class AsyncClient:
                         fut.set_result(msg)
                 self._control.clear()
 
+    def _deliver(self, rid: str, msg: Any) -> None:
+        """Queue a message for its request; a caller that left max_buffered unread loses
+        that request (aborted, with an error), never the others on this socket."""
+        queue = self._queues[rid]
+        if getattr(queue, "overflowed", False):
+            return
+        try:
+            queue.put_nowait(msg)
+            return
+        except asyncio.QueueFull:
+            pass
+        while not queue.empty():
+            queue.get_nowait()
+        queue.overflowed = True
+        queue.put_nowait(cp.Error(rid, "client_overflow", f"the caller left "
+                                  f"{self.max_buffered} messages unread; request aborted"))
+        self._background(self._send(cp.encode(cp.Abort(rid)), best_effort=True))
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def _watch(self) -> None:
+        while True:
+            frames = await self._monitor.recv_multipart()
+            self._link.on_event(parse_monitor_message(frames)["event"])
+
     async def _pinger(self) -> None:
         while True:
             if self._queues:
                 await self._send(cp.encode(cp.Ping()), best_effort=True)
+                if self._link.lost():  # the leader is gone: fail what waits on it
+                    why = (f"lost the connection to the leader at {self.endpoint} for over "
+                           f"{LINK_GRACE_S:g} s")
+                    for rid in list(self._queues):
+                        self._deliver(rid, cp.Error(rid, "engine_unavailable", why))
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _request(self, request: Any) -> dict:
@@ -290,7 +369,7 @@ class AsyncClient:
         rid = request_id or self._prefix + str(next(self._ids))
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(self.max_buffered)
         self._queues[rid] = queue
         remaining = _n_of(params)
         try:
@@ -336,5 +415,7 @@ class AsyncClient:
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
         self._ctx.term()

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
 from nvllm.common.outputs import CompletionDelta
 from nvllm.common.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from nvllm.common.config import EngineConfig
+
 PROTOCOL_VERSION = 1
+MAX_DEPTH = 8  # the deepest a valid message nests (submit -> params -> stop -> str is 3)
+_INT64_MAX = 2**63 - 1
+PROMPT_BYTES_PER_TOKEN = 32  # max_prompt_bytes' default, per token of max_model_len
 
 # Error codes that mean a malformed or hostile frame (not a request the engine refused).
 HOSTILE_CODES = frozenset({"bad_frame", "bad_op", "bad_version", "invalid_request"})
@@ -33,6 +39,41 @@ class ClientProtocolError(ValueError):
     def __init__(self, code: str, message: str, request_id: RequestId | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.request_id = code, message, request_id
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """Every bound on what one client frame may carry, checked once, on decode. The
+    defaults are EngineConfig's (operators tune them with nvllm-launch flags); a
+    violation is ``invalid_request`` naming the field and the limit."""
+
+    max_model_len: int = 4096
+    max_request_id_bytes: int = 256
+    max_prompt_bytes: int = 4096 * PROMPT_BYTES_PER_TOKEN
+    max_n: int = 128
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ClientLimits:
+        return cls(config.max_model_len, config.max_request_id_bytes,
+                   config.max_prompt_bytes or config.max_model_len * PROMPT_BYTES_PER_TOKEN,
+                   config.max_n, config.max_stop_strings, config.max_stop_string_chars,
+                   config.max_stop_token_ids)
+
+    def unpack_options(self) -> dict[str, int]:
+        """msgpack's own container limits, about twice the field limits: a frame far
+        beyond them fails to decode (bad_frame) before anything is built from it, one
+        just beyond gets the error that names the field."""
+        longest_str = max(self.max_prompt_bytes, self.max_request_id_bytes,
+                          self.max_stop_string_chars * 4)
+        longest_list = max(self.max_model_len, self.max_stop_token_ids, self.max_stop_strings)
+        return {"max_str_len": 2 * longest_str + 1024, "max_bin_len": self.max_request_id_bytes,
+                "max_array_len": 2 * longest_list + 1024, "max_map_len": 64, "max_ext_len": 0}
+
+
+DEFAULT_LIMITS = ClientLimits()
 
 
 # ---- client -> leader ------------------------------------------------------------------
@@ -181,36 +222,63 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def decode_client_frame(payload: bytes) -> Any:
+def _depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether containers nest deeper than `limit` (iterative: no recursion to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, dict)):
+            if d > limit:
+                return True
+            stack.extend((x, d + 1) for x in (o.values() if isinstance(o, dict) else o))
+    return False
+
+
+def _kind(v: Any) -> str:
+    """How an error message shows a value it refused: its type, never its repr."""
+    return type(v).__name__
+
+
+def decode_client_frame(payload: bytes, limits: ClientLimits = DEFAULT_LIMITS) -> Any:
     """One client frame -> a typed request, or ClientProtocolError (code, message, id)."""
     try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                              **limits.unpack_options())
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ClientProtocolError("bad_frame", f"not a msgpack frame ({type(e).__name__})"
-                                  ) from None
+        raise ClientProtocolError("bad_frame", f"not a msgpack frame within the limits "
+                                               f"({type(e).__name__})") from None
     if not isinstance(msg, dict):
         raise ClientProtocolError("bad_frame", "a message must be a msgpack map")
+    if _depth_exceeds(msg, MAX_DEPTH):
+        raise ClientProtocolError("bad_frame", f"a message nests at most {MAX_DEPTH} levels")
     rid = msg.get("id")
-    if rid is not None and (not isinstance(rid, (str, int)) or isinstance(rid, bool)):
-        raise ClientProtocolError("invalid_request", "id must be a string or an integer")
+    if rid is not None:
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+            raise ClientProtocolError("invalid_request", "id must be a string or an integer")
+        if isinstance(rid, int) and not -_INT64_MAX - 1 <= rid <= _INT64_MAX:
+            raise ClientProtocolError("invalid_request", "an integer id must fit in int64")
+        if isinstance(rid, str) and len(rid.encode()) > limits.max_request_id_bytes:
+            raise ClientProtocolError("invalid_request", f"id is longer than "
+                                      f"{limits.max_request_id_bytes} bytes")
     version = msg.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
-        shown = version if _is_int(version) else f"of type {type(version).__name__}"
+        shown = (version if _is_int(version) and abs(version) < 2**31
+                 else f"of type {_kind(version)}")
         raise ClientProtocolError("bad_version", f"protocol version {shown} is not "
                                                  f"{PROTOCOL_VERSION}", rid)
     op = msg.get("op")
     cls = _BY_OP.get(op) if isinstance(op, str) else None
     if cls is None:
-        shown = f"'{op[:40]}'" if isinstance(op, str) else f"of type {type(op).__name__}"
-        raise ClientProtocolError("bad_op", f"unknown op {shown}", rid)
+        raise ClientProtocolError("bad_op", "unknown op (expected one of "
+                                            f"{', '.join(sorted(_BY_OP))})", rid)
     if cls is Submit:
-        return _decode_submit(msg, rid)
+        return _decode_submit(msg, rid, limits)
     if cls is Abort:
         return Abort(rid)
     return cls()
 
 
-def _decode_submit(msg: dict, rid: RequestId | None) -> Submit:
+def _decode_submit(msg: dict, rid: RequestId | None, limits: ClientLimits) -> Submit:
     if rid is None:
         raise ClientProtocolError("invalid_request", "submit needs an 'id'")
 
@@ -220,6 +288,7 @@ def _decode_submit(msg: dict, rid: RequestId | None) -> Submit:
     raw = msg.get("params") or {}
     if not isinstance(raw, dict):
         raise bad("'params' must be a map")
+    _check_param_sizes(raw, limits, bad)
     try:
         params = SamplingParams.from_dict(raw)
     except (TypeError, ValueError) as e:
@@ -227,21 +296,61 @@ def _decode_submit(msg: dict, rid: RequestId | None) -> Submit:
     prompt, ids = msg.get("prompt"), msg.get("prompt_token_ids")
     if (prompt is None) == (ids is None):
         raise bad("give exactly one of 'prompt' and 'prompt_token_ids'")
-    if prompt is not None and not isinstance(prompt, str):
-        raise bad("'prompt' must be a string")
-    if ids is not None and not isinstance(ids, list):
-        raise bad("'prompt_token_ids' must be a list of integers")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise bad("'prompt' must be a string")
+        if len(prompt.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes:
+            raise bad(f"prompt is longer than {limits.max_prompt_bytes} bytes (max_prompt_bytes; "
+                      f"max_model_len is {limits.max_model_len} tokens)")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise bad("'prompt_token_ids' must be a list of integers")
+        # What the engine could never serve is `rejected`, as the engine itself says it.
+        if len(ids) > limits.max_model_len:
+            raise ClientProtocolError("rejected", f"prompt has {len(ids)} tokens, "
+                                      f"max_model_len is {limits.max_model_len}", rid)
+        if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in ids):
+            raise ClientProtocolError("rejected", "a prompt token id is outside the "
+                                      "vocabulary (token ids are integers from 0)", rid)
     stream = msg.get("stream", True)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a bool")
     priority = msg.get("priority") or 0
-    if not _is_int(priority):
-        raise bad("'priority' must be an integer")
+    if not _is_int(priority) or not -_INT64_MAX - 1 <= priority <= _INT64_MAX:
+        raise bad("'priority' must be an integer in int64")
     ttl_ms = msg.get("ttl_ms")
     if ttl_ms is not None and (not isinstance(ttl_ms, (int, float)) or isinstance(ttl_ms, bool)
                                or not 0 < ttl_ms < math.inf):
         raise bad("'ttl_ms' must be a positive number or null")
     return Submit(rid, prompt, ids, params, priority, ttl_ms, stream)
+
+
+def _check_param_sizes(raw: dict, limits: ClientLimits, bad: Any) -> None:
+    """Sizes SamplingParams does not bound itself (its own checks name bad values)."""
+    n = raw.get("n", 1)
+    if _is_int(n) and n > limits.max_n:
+        raise bad(f"n is {n}, more than max_n {limits.max_n}")
+    stop = raw.get("stop")
+    if isinstance(stop, list):
+        if len(stop) > limits.max_stop_strings:
+            raise bad(f"stop has {len(stop)} strings, more than max_stop_strings "
+                      f"{limits.max_stop_strings}")
+        stop_strs = stop
+    else:
+        stop_strs = [stop] if isinstance(stop, str) else []
+    if any(isinstance(x, str) and len(x) > limits.max_stop_string_chars for x in stop_strs):
+        raise bad(f"a stop string is longer than max_stop_string_chars "
+                  f"{limits.max_stop_string_chars}")
+    ids = raw.get("stop_token_ids")
+    if isinstance(ids, list):
+        if len(ids) > limits.max_stop_token_ids:
+            raise bad(f"stop_token_ids has {len(ids)} ids, more than max_stop_token_ids "
+                      f"{limits.max_stop_token_ids}")
+        if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in ids):
+            raise bad("stop_token_ids must be integers in [0, 2**63)")
+    unknown = [k for k in raw if not isinstance(k, str)]
+    if unknown:
+        raise bad("params keys must be strings")
 
 
 # ---- decoding what the leader sends (clients) ------------------------------------------

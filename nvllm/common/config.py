@@ -153,7 +153,26 @@ class EngineConfig:
     skip_tokenizer_init: bool = _setting(
         False, "Load no tokenizer: prompts must be token ids, outputs carry no text.")
     max_queued_requests: int | None = _setting(
-        None, "Refuse new requests with 'overloaded' beyond this many waiting.")
+        4096, "Refuse new requests with 'overloaded' beyond this many waiting.")
+    # What one client request may carry (nvllm/common/client_protocol.py ClientLimits).
+    max_request_id_bytes: int = _setting(256, "Longest client request id, in bytes.")
+    max_prompt_bytes: int | None = _setting(
+        None, "Longest text prompt, in UTF-8 bytes, checked before tokenizing (default: "
+              "32 bytes per token of max_model_len).")
+    max_n: int = _setting(128, "Most completions (n) per request.")
+    max_stop_strings: int = _setting(16, "Most stop strings per request.")
+    max_stop_string_chars: int = _setting(256, "Longest stop string, in characters.")
+    max_stop_token_ids: int = _setting(256, "Most stop_token_ids per request.")
+    max_plan_bytes: int = _setting(
+        64 << 20, "Most bytes of new sequences (token ids, block tables) one step plan "
+                  "carries; more wait for the next step. Keeps every plan far below the "
+                  "workers' 256 MiB frame limit.")
+    max_client_outbox: int = _setting(
+        4096, "Most messages queued for a client that stops reading (beyond ZMQ's own "
+              "buffer); past it the client is evicted and its requests aborted.")
+    max_client_frames_per_step: int = _setting(
+        256, "Most client messages the leader reads between two engine steps, so a flood "
+             "delays its sender, not the running streams.")
     batch_timeout_ms: float = _setting(
         0.0, "When idle, wait this long for more arrivals before the first prefill.")
     client_timeout_s: float = _setting(

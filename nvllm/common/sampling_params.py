@@ -39,7 +39,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+            return ValueError(f"SamplingParams.{name}: {why} (got {_shown(getattr(self, name))})")
 
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -109,12 +109,24 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        unknown = set(d) - set(cls.__dataclass_fields__)
+        unknown = [k for k in d if k not in cls.__dataclass_fields__]
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
+            names = ", ".join(_shown(k) for k in unknown[:3])
+            raise ValueError(f"unknown sampling parameter(s): {names}"
+                             + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""))
         return cls(**d)
 
     def clone(self, **changes: Any) -> SamplingParams:
         d = self.to_dict()
         d.update(changes)
         return SamplingParams(**d)
+
+
+def _shown(v: Any) -> str:
+    """A value in an error message: short scalars as they are, anything else by its type
+    (messages go back to clients and into logs: never echo what a client sent)."""
+    if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and abs(v) < 2**64):
+        return repr(v)
+    if isinstance(v, str) and len(v) <= 40 and v.isprintable():
+        return repr(v)
+    return f"a {type(v).__name__}" + (f" of length {len(v)}" if hasattr(v, "__len__") else "")

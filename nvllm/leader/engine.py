@@ -37,6 +37,9 @@ from nvllm.leader.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# A request running through this many worker-group deaths is ended, not replayed again.
+MAX_DEATHS_IN_FLIGHT = 2
+
 
 @dataclass(slots=True)
 class StepStats:
@@ -75,7 +78,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len)
+                                   config.max_model_len, config.max_plan_bytes)
         self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
         self.input_processor = InputProcessor(config, tokenizer, self.capacity_tokens)
         self.plan_builder = PlanBuilder()
@@ -160,7 +163,7 @@ class LLMEngine:
             while len(self._inflight) > keep:
                 self._apply_oldest_result(out, cancelled)
         except EngineDeadError as e:
-            if not self._recover(str(e)):
+            if not self._recover(str(e), out):
                 self._fail_all()
                 raise
         step_time = time.perf_counter() - t0
@@ -231,29 +234,46 @@ class LLMEngine:
 
     # ---- worker failures ------------------------------------------------------------
 
-    def check_workers(self) -> None:
+    def check_workers(self) -> EngineOutput:
         """For an idle owner: notice a worker death now (recover, or raise EngineDeadError)
-        rather than at the next step."""
+        rather than at the next step. Returns what the recovery ended."""
+        out = EngineOutput()
         dead = self.executor.check_alive()
         if dead is None:
-            return
-        if not self._recover(dead):
+            return out
+        if not self._recover(dead, out):
             self._fail_all()
             raise EngineDeadError(dead)
+        return out
 
-    def _recover(self, error: str) -> bool:
+    def _recover(self, error: str, out: EngineOutput) -> bool:
         """Replace a failed worker group and requeue every sequence for recompute.
 
         The new workers' KV cache is empty, so every cached prefix is forgotten and every
         running sequence recomputes its prompt and the tokens it generated so far: greedy
-        (and seeded) outputs continue exactly as if nothing had happened.
+        (and seeded) outputs continue exactly as if nothing had happened. Sequences that
+        were on the workers rejoin one at a time (Scheduler, admission); a request one of
+        whose sequences was on the workers through MAX_DEATHS_IN_FLIGHT deaths in a row
+        ends with an error instead: it is what kills them, and would kill the next group.
         """
         if not self.executor.restart(error):
             return False
+        suspects = []
+        for req in self.requests.values():
+            for seq in req.seqs:
+                if not seq.is_finished and (seq.on_worker or seq.num_pending):
+                    seq.deaths_in_flight += 1
+            if any(s.deaths_in_flight >= MAX_DEATHS_IN_FLIGHT for s in req.seqs):
+                suspects.append(req.request_id)
         self._inflight.clear()  # their tokens died with the workers
         self.scheduler.requeue_all()
         self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds
         self.metrics.worker_restarts.inc()
+        for rid in suspects:
+            logger.error("request %s was on the workers through %d worker-group deaths in "
+                         "a row: ended with an error instead of replayed", rid,
+                         MAX_DEATHS_IN_FLIGHT)
+            out.extend(self.abort_request(rid, "error"))
         logger.warning("worker group restarted; %d request(s) requeued for recompute",
                        len(self.requests))
         return True

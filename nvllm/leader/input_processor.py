@@ -77,6 +77,10 @@ class InputProcessor:
                 raise RequestRejected(
                     f"token id {shown} at position {pos} is outside the vocabulary "
                     f"(valid ids are 0..{self.vocab_size - 1})")
+        bad_stop = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad_stop:
+            raise RequestRejected(f"stop_token_ids holds {len(bad_stop)} id(s) outside the "
+                                  f"vocabulary (valid ids are 0..{self.vocab_size - 1})")
         if params.n > self.config.max_num_seqs:
             # Its completions could never run together (and a huge n is a cheap way to
             # make the leader build millions of sequences).

@@ -47,6 +47,8 @@ class EngineMetrics:
         self.prompt_tokens = counter("nvllm:prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("nvllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("nvllm:num_preemptions", "Preemptions.")
+        self.clients_evicted = counter("nvllm:clients_evicted",
+                                       "Clients evicted for not reading their messages.")
         self.worker_restarts = counter("nvllm:worker_restarts",
                                        "Worker groups replaced after a failure.")
         finished = Counter("nvllm:request_success", "Finished requests by finish reason.",

@@ -21,13 +21,14 @@ preempted) are listed in ``finished_seq_ids`` until the next plan carries them.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from nvllm.common.utils import cdiv
 from nvllm.common.worker_protocol import StepResult
 from nvllm.leader.kv_cache_manager import KVCacheManager
 from nvllm.leader.sequence import Sequence, SequenceStatus
+from nvllm.leader.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -58,22 +59,26 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_plan_bytes: int = 64 << 20) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: list[Sequence] = []  # sorted by (priority, arrival order)
+        self.max_plan_bytes = max_plan_bytes
+        self.waiting = WaitingQueue()  # by (priority, arrival order)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._arrivals = itertools.count()
         # Left the workers since the last plan: the next plan tells them to drop these.
         self.finished_seq_ids: list[int] = []
+        # Running sequences that were on the workers when a group died and have not
+        # completed a step since (see admission): at most one at a time.
+        self._quarantined: set[int] = set()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.order = next(self._arrivals)
-        bisect.insort(self.waiting, seq, key=_waiting_key)
+        self.waiting.add(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -81,7 +86,7 @@ class Scheduler:
 
     @property
     def num_waiting_requests(self) -> int:
-        return len({s.request_id for s in self.waiting})
+        return self.waiting.num_requests
 
     def take_finished_seq_ids(self) -> list[int]:
         ids, self.finished_seq_ids = self.finished_seq_ids, []
@@ -130,9 +135,20 @@ class Scheduler:
             return out
 
         # 2. Waiting sequences, by priority then arrival (a preempted one keeps its place).
+        plan_bytes = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if seq.num_pending:  # preempted with a token in flight: resume once it lands
+                break
+            # The plan carries a new sequence whole: bound the plan (far below the workers'
+            # frame limit) by deferring admissions; one sequence always goes.
+            cost = new_seq_plan_bytes(seq, self.kv.block_size)
+            if plan_bytes and plan_bytes + cost > self.max_plan_bytes:
+                break
+            # A sequence that was running when a worker group died may be what killed it:
+            # such sequences rejoin one at a time, so a second death names its culprit
+            # (the engine ends a sequence that was on the workers through two deaths).
+            if seq.deaths_in_flight and self._quarantined:
                 break
             hits = self.kv.get_computed_blocks(seq)
             num_cached = len(hits) * self.kv.block_size
@@ -142,7 +158,10 @@ class Scheduler:
             self.kv.record_lookup(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.pop(0)
+            self.waiting.pop()
+            plan_bytes += cost
+            if seq.deaths_in_flight:
+                self._quarantined.add(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
@@ -174,6 +193,9 @@ class Scheduler:
                 continue
             seq.token_ids.append(token)
             seq.num_pending -= 1
+            if seq.deaths_in_flight:  # a step went through: it is no suspect any more
+                seq.deaths_in_flight = 0
+                self._quarantined.discard(seq.seq_id)
             self.kv.cache_computed_blocks(seq)
             reason = self._check_stop(seq, token)
             if reason is not None:
@@ -202,13 +224,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.finished_seq_ids.append(seq.seq_id)
+        self._quarantined.discard(seq.seq_id)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.on_worker = False
         seq.num_sent_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=_waiting_key)
+        self.waiting.add(seq)
 
     def requeue_all(self) -> None:
         """The workers (and the KV cache) were replaced: every running sequence goes back
@@ -224,14 +247,19 @@ class Scheduler:
         """Take a sequence out (finished or aborted) and give its blocks back."""
         if seq.on_worker:
             self.finished_seq_ids.append(seq.seq_id)
+        self._quarantined.discard(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
 
-def _waiting_key(seq: Sequence) -> tuple[int, int]:
-    return seq.priority, seq.order
+def new_seq_plan_bytes(seq: Sequence, block_size: int) -> int:
+    """An upper bound on a NewSeq's msgpack size: at most 9 bytes per integer (token ids,
+    block ids, stop token ids) plus the fixed fields."""
+    num_ints = (seq.num_tokens + cdiv(seq.num_tokens, block_size)
+                + len(seq.params.stop_token_ids or ()) + len(seq.params.eos_token_ids))
+    return 9 * num_ints + 128

@@ -42,6 +42,8 @@ class Sequence:
     # scheduling): the next plan already computes them, the workers hold their ids.
     num_pending: int = 0
     num_preemptions: int = 0
+    # Worker-group deaths it was on the workers for since its last completed step.
+    deaths_in_flight: int = 0
     # Prompt tokens served from the prefix cache at the first admission (usage).
     num_cached_tokens: int = 0
     finish_reason: str | None = None

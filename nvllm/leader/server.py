@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 << 20
 MIN_FRAME_BYTES = 1024
 IDLE_POLL_MS = 100
+FLUSH_ON_CLOSE_S = 2.0  # shutdown: how long final messages may take to leave
+_EVICTED_REMEMBERED = 4096
 _LOG_PER_S = 10
 
 
@@ -59,10 +61,16 @@ class EngineServer:
             raise ValueError(f"max_frame_bytes must be an integer >= {MIN_FRAME_BYTES}, got "
                              f"{max_frame_bytes!r}")
         self.engine = engine
+        self.limits = cp.ClientLimits.from_config(engine.config)
         self.model_name = model_name or engine.config.model
         self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, max_msg_bytes=max_frame_bytes)
+        # A message to a client that is gone or full raises instead of vanishing (it then
+        # waits in that client's outbox), and a client that reconnects with its identity
+        # (nvllm clients keep one per object) takes its streams over.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = None
         try:
             if curve_key_dir is not None:  # CURVE options must be set before bind
@@ -83,14 +91,61 @@ class EngineServer:
         self._ids = itertools.count()
         self._last_sweep = time.monotonic()
         self._log_window = [0.0, 0]  # [window start, bad frames logged in it]
+        # Messages a client could not take yet, in order; bounded by max_client_outbox.
+        self._outbox: dict[bytes, deque[bytes]] = {}
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()
 
     # ---- sending -----------------------------------------------------------------------
 
     def _send(self, client: bytes, msg: Any) -> None:
+        """Send now, or queue behind what the client has not taken yet; never block, and
+        never drop a message silently (an overflowing client is evicted)."""
+        if client in self._evicted:
+            return
+        frame = cp.encode(msg)
+        box = self._outbox.get(client)
+        if box is None and self._try_send(client, frame):
+            return
+        if box is None:
+            box = self._outbox[client] = deque()
+        box.append(frame)
+        if len(box) > self.engine.config.max_client_outbox:
+            self._evict(client)
+
+    def _try_send(self, client: bytes, frame: bytes) -> bool:
         try:
-            self.sock.send_multipart([client, cp.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.Again:  # a client that stopped reading loses messages, not the server
-            logger.warning("dropping a message to a client that does not read")
+            self.sock.send_multipart([client, frame], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # its ZMQ queue is full: it reads slower than it is sent
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # not connected now (it may come back)
+                return False
+            raise
+
+    def _flush(self) -> None:
+        """Send what waits in outboxes, oldest first, as far as each client takes it."""
+        for client, box in list(self._outbox.items()):
+            while box and self._try_send(client, box[0]):
+                box.popleft()
+            if not box:
+                del self._outbox[client]
+
+    def _evict(self, client: bytes) -> None:
+        """A client that stopped reading: a ROUTER cannot drop one peer, so its requests
+        end, its queued messages go, and its later frames get an `evicted` error."""
+        live = self._by_client.pop(client, {})
+        logger.warning("client %s stopped reading (%d messages queued for it): evicted, "
+                       "%d request(s) aborted", client.hex()[:10],
+                       len(self._outbox.get(client, ())), len(live))
+        self._outbox.pop(client, None)
+        self._evicted[client] = None
+        if len(self._evicted) > _EVICTED_REMEMBERED:
+            self._evicted.popitem(last=False)
+        self.engine.metrics.clients_evicted.inc()
+        for ours in live.values():
+            self._owners.pop(ours, None)
+            self.engine.abort_request(ours)
 
     def _error(self, client: bytes, rid: Any, code: str, message: str) -> None:
         # Every refusal is logged (malformed frames as warnings), but a flood of garbage
@@ -110,10 +165,24 @@ class EngineServer:
     # ---- receiving ---------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
-        client, payload = frames[0], frames[-1]
+        """One client frame. Whatever it does, it is answered and the loop goes on."""
+        client = frames[0]
+        try:
+            self._handle_one(client, frames[-1])
+        except Exception:  # a bug reached by one frame must not end the serve loop
+            logger.exception("error while handling a client frame")
+            self._error(client, None, "internal_error", "the leader failed to handle this "
+                                                        "message; it is still serving")
+
+    def _handle_one(self, client: bytes, payload: bytes) -> None:
+        if client in self._evicted:
+            frame = cp.encode(cp.Error(None, "evicted", "this client stopped reading its "
+                                       "messages and was evicted; connect anew"))
+            self._try_send(client, frame)
+            return
         self._last_seen[client] = time.monotonic()
         try:
-            msg = cp.decode_client_frame(payload)
+            msg = cp.decode_client_frame(payload, self.limits)
         except cp.ClientProtocolError as e:
             return self._error(client, e.request_id, e.code, e.message)
         if isinstance(msg, cp.Ping):
@@ -201,6 +270,9 @@ class EngineServer:
             if not self._by_client.get(client):
                 self._by_client.pop(client, None)
                 self._last_seen.pop(client, None)
+        for client in list(self._outbox):
+            if client not in self._by_client and now - self._last_seen.get(client, 0) > limit:
+                del self._outbox[client]  # replies to a client long gone
         return True
 
     def _fail_everything(self, error: str) -> None:
@@ -215,7 +287,12 @@ class EngineServer:
     # ---- the loop ----------------------------------------------------------------------
 
     def _drain(self, timeout_ms: int) -> None:
-        while self.sock.poll(timeout_ms):
+        """Read what clients sent, at most max_client_frames_per_step frames: the rest
+        waits in ZMQ's queues (and, past its high-water mark, in the senders' own), so a
+        flood delays its sender, not the running streams."""
+        for _ in range(self.engine.config.max_client_frames_per_step):
+            if not self.sock.poll(timeout_ms):
+                return
             self._handle(self.sock.recv_multipart())
             timeout_ms = 0
 
@@ -242,8 +319,14 @@ class EngineServer:
         for rid in list(self.engine.requests):
             self._emit(self.engine.abort_request(rid).deltas)
         self._drain(0)
+        deadline = time.monotonic() + FLUSH_ON_CLOSE_S  # final messages get out, boundedly
+        while self._outbox and time.monotonic() < deadline:
+            self._flush()
+            if self._outbox:
+                self._drain(10)
 
     def _step(self) -> None:
+        self._flush()
         swept = self._sweep_silent_clients()
         if self.dead is not None:
             return
@@ -253,12 +336,13 @@ class EngineServer:
             elif swept:
                 # Idle: a worker death (or, with restart_workers, its recovery) must not
                 # wait for the next request; health answers the truth meanwhile.
-                self.engine.check_workers()
+                self._emit(self.engine.check_workers().deltas)
         except EngineDeadError as e:
             self._fail_everything(str(e))
 
     def close(self) -> None:
-        self.sock.close(0)
+        # What ZMQ still holds for clients leaves within the linger, never later.
+        self.sock.close(linger=int(FLUSH_ON_CLOSE_S * 1000))
         if self._auth is not None:  # its ZAP socket lives on ctx: stop it before term
             self._auth.stop()
             self._auth = None

@@ -173,10 +173,28 @@ class WorkerGroupClient:
         return {**self.heartbeats.silent(), **self.liveness_check()}
 
     def broadcast(self, msg: Any) -> int:
+        """Send `msg` to every rank. A send never blocks for good: while a rank's queue
+        is full (or it has no connection) the liveness checks keep running, and after
+        heartbeat_timeout_s the group counts as dead."""
         self._check_dead()
         data = worker_protocol.encode(msg)
-        for sock in self.plan_socks:
-            sock.send(data, copy=False)
+        deadline = time.monotonic() + self.heartbeats.timeout_s
+        for rank, sock in enumerate(self.plan_socks):
+            while True:
+                try:
+                    sock.send(data, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    pass
+                if self.check_alive() is not None:
+                    raise EngineDeadError(self.dead)
+                if time.monotonic() > deadline:
+                    self.dead = (f"worker rank {rank} took no plan for "
+                                 f"{self.heartbeats.timeout_s:g} s (its plan queue is full or "
+                                 "it has no connection): it is hung or gone")
+                    logger.error("%s", self.dead)
+                    raise EngineDeadError(self.dead)
+                sock.poll(POLL_MS, zmq.POLLOUT)
         return len(data)
 
     def recv(self, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> Any:

@@ -84,6 +84,7 @@ SECRET = "s3cr3t-" * 20
      "invalid_request", "a"),
     (_pack({"op": "submit", "id": "a", "prompt": 5}), "invalid_request", "a"),
     (_pack({"op": "submit", "id": "a", "prompt_token_ids": SECRET}), "invalid_request", "a"),
+    (_pack({"op": "submit", "id": "a", "prompt_token_ids": [1.5]}), "rejected", "a"),
     (_pack({"op": "submit", "id": "a", "prompt": "x", "params": [1]}), "invalid_request", "a"),
     (_pack({"op": "submit", "id": "a", "prompt": "x", "params": {"temperature": -1}}),
      "invalid_request", "a"),
@@ -107,3 +108,59 @@ def test_clients_skip_malformed_leader_frames():
     assert cp.decode_server_frame(_pack([1])) is None
     assert cp.decode_server_frame(_pack({"op": "output", "index": "x"})) is None
     assert cp.decode_server_frame(_pack({"op": "nope"})) is None
+
+
+LIMITS = cp.ClientLimits(max_model_len=64, max_request_id_bytes=32, max_prompt_bytes=256,
+                         max_n=4, max_stop_strings=2, max_stop_string_chars=8,
+                         max_stop_token_ids=3)
+
+
+def _submit(**fields) -> bytes:
+    return _pack({"op": "submit", "id": "a", "prompt": "x", **fields})
+
+
+@pytest.mark.parametrize("frame,code,words", [
+    # 1,023 nested lists in 1 KB: refused before anything formats or walks it recursively.
+    (b"\x82\xa2op\xa4info\xa1v" + b"\x91" * 1023 + b"\xc0", "bad_frame", "nests at most"),
+    (_pack({"op": "submit", "id": "i" * 33, "prompt": "x"}), "invalid_request", "32 bytes"),
+    (_pack({"op": "submit", "id": 2**63, "prompt": "x"}), "invalid_request", "int64"),
+    (_submit(prompt="p" * 257), "invalid_request", "max_prompt_bytes"),
+    (_pack({"op": "submit", "id": "a", "prompt_token_ids": [1] * 65}), "rejected",
+     "max_model_len is 64"),
+    (_pack({"op": "submit", "id": "a", "prompt_token_ids": [2**63]}), "rejected",
+     "outside the vocabulary"),
+    (_submit(params={"n": 5}), "invalid_request", "max_n 4"),
+    (_submit(params={"stop": ["a", "b", "c"]}), "invalid_request", "max_stop_strings 2"),
+    (_submit(params={"stop": "s" * 9}), "invalid_request", "max_stop_string_chars 8"),
+    (_submit(params={"stop_token_ids": [1, 2, 3, 4]}), "invalid_request",
+     "max_stop_token_ids 3"),
+    (_submit(params={"stop_token_ids": [2**64 - 1]}), "invalid_request", "2**63"),
+    (_submit(priority=2**64 - 1), "invalid_request", "int64"),
+    # Containers beyond msgpack's own limits never decode at all.
+    (_submit(params={"stop_token_ids": [1] * 100_000}), "bad_frame", "limits"),
+    (_pack({"op": "submit", "id": "a", "prompt": "x" * 10_000}), "bad_frame", "limits"),
+    (_submit(params={f"k{i}": i for i in range(100)}), "bad_frame", "limits"),
+])
+def test_limits_are_checked_on_decode(frame, code, words):
+    with pytest.raises(cp.ClientProtocolError) as e:
+        cp.decode_client_frame(frame, LIMITS)
+    assert e.value.code == code and words in e.value.message, e.value.message
+
+
+def test_limits_follow_the_engine_config(tiny):
+    from nvllm.common.config import EngineConfig
+
+    config = EngineConfig(tiny("qwen3"), device="cpu", max_n=3).finalize()
+    limits = cp.ClientLimits.from_config(config)
+    assert limits.max_n == 3 and limits.max_model_len == config.max_model_len
+    assert limits.max_prompt_bytes == cp.PROMPT_BYTES_PER_TOKEN * config.max_model_len
+
+
+def test_hostile_values_are_never_echoed():
+    huge_key = "k" * 500
+    for frame in (_submit(params={huge_key: 1}), _submit(params={"temperature": SECRET}),
+                  _submit(params={"stop": [SECRET[:8], 5]})):
+        with pytest.raises(cp.ClientProtocolError) as e:
+            cp.decode_client_frame(frame)
+        assert SECRET not in e.value.message and huge_key not in e.value.message
+        assert len(e.value.message) < 300

@@ -94,3 +94,45 @@ def test_the_server_still_serves_after_bad_frames(connected):
     assert msgs[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4,
                                  "cached_tokens": 0}
     assert not engine.requests
+
+
+@pytest.mark.parametrize("scheduling", ["sync"])  # (no engine steps involved)
+def test_a_ping_flood_is_read_at_a_bounded_rate(make_engine):
+    """The server reads at most max_client_frames_per_step frames between two steps; the
+    rest wait in ZMQ's queues, so a flood delays its sender, not the running streams."""
+    engine, _ = make_engine(max_client_frames_per_step=8)
+    server = EngineServer(engine, host="127.0.0.1", port=0)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(server.endpoint)
+        for _ in range(40):
+            dealer.send(msgpack.packb({"op": "ping"}))
+        per_drain = []
+        while sum(per_drain) < 40:
+            assert len(per_drain) < 40, "pings went unanswered"
+            server._drain(WAIT_MS)
+            n = 0
+            while dealer.poll(100):
+                dealer.recv()
+                n += 1
+            per_drain.append(n)
+        assert max(per_drain) == 8 and sum(per_drain) == 40
+    finally:
+        dealer.close(0)
+        ctx.term()
+        server.close()
+
+
+def test_an_exception_while_handling_a_frame_does_not_end_the_loop(connected, monkeypatch):
+    engine, server, dealer = connected
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug reached by one frame")
+
+    monkeypatch.setattr(server, "_submit", broken)
+    err = exchange(server, dealer, {"op": "submit", "id": "x", "prompt_token_ids": [100]})
+    assert err["op"] == "error" and err["code"] == "internal_error"
+    monkeypatch.undo()
+    assert exchange(server, dealer, {"op": "ping"})["op"] == "pong"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from nvllm.common import worker_protocol as protocol
+from nvllm.common.errors import EngineDeadError
 from nvllm.leader.engine import LLMEngine
 
 BLOCK = 4
@@ -72,6 +73,8 @@ class FakeWorkers:
         self.recvs_before_plan: list[int] = []
         self.corrupt: Callable[[protocol.StepPlan, protocol.StepResult], list] | None = None
         self.injected: list = []
+        # die_on(plan) -> True: the group dies executing that plan (no result comes back).
+        self.die_on: Callable[[protocol.StepPlan], bool] | None = None
 
     @property
     def client(self) -> FakeWorkers:
@@ -85,6 +88,8 @@ class FakeWorkers:
         return self.dead
 
     def broadcast(self, msg) -> int:
+        if self.dead is not None:  # as the real client
+            raise EngineDeadError(self.dead)
         data = protocol.encode(msg)
         msg = protocol.decode(data)
         if isinstance(msg, protocol.InitKVCache):
@@ -92,6 +97,9 @@ class FakeWorkers:
             self.inbox.append(protocol.WorkerReady(0, "kv", NUM_BLOCKS))
         elif isinstance(msg, protocol.StepPlan):
             self.plans.append(msg)
+            if self.die_on is not None and self.die_on(msg):
+                self.dead = f"fake worker group died at step {msg.step_id}"
+                return len(data)
             self.recvs_before_plan.append(self.num_recvs)
             good = self._execute(msg)
             bad = self.corrupt(msg, good) if self.corrupt is not None else []
@@ -106,6 +114,8 @@ class FakeWorkers:
         if cancelled is not None and cancelled():  # as the real client: before taking one
             raise KeyboardInterrupt
         self.num_recvs += 1
+        if self.dead is not None and not self.inbox:
+            raise EngineDeadError(self.dead)
         return self.inbox.popleft()
 
     def _execute(self, plan: protocol.StepPlan) -> protocol.StepResult:

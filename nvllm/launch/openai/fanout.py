@@ -18,6 +18,7 @@ from nvllm.common.outputs import CompletionAccumulator, CompletionDelta
 from nvllm.launch.openai.errors import from_leader
 
 DISCONNECT_POLL_S = 0.25
+MAX_PENDING_DELTAS = 256  # per HTTP request, between the leader and the HTTP response
 
 # Tasks the gateway starts and does not await (leader-request pumps); a strong reference
 # keeps them from being garbage-collected mid-flight.
@@ -44,6 +45,10 @@ class Fanout:
     def __init__(self, client: AsyncClient, jobs: list[Job]) -> None:
         self.client = client
         self.queue: asyncio.Queue = asyncio.Queue()
+        # Deltas taken from the leader but not yet by the HTTP side. A slow HTTP reader
+        # stops its pumps here, its messages pile up in the AsyncClient, and past the
+        # client's max_buffered only its request is aborted: the gateway keeps reading.
+        self._room = asyncio.Semaphore(MAX_PENDING_DELTAS)
         self._buffer: deque = deque()
         self._open = len(jobs)
         self._cancelled = False
@@ -59,6 +64,7 @@ class Fanout:
             async for d in stream:
                 if self._cancelled:
                     break
+                await self._room.acquire()
                 self.queue.put_nowait((i, d))
         except asyncio.CancelledError:
             raise
@@ -109,6 +115,7 @@ class Fanout:
             elif isinstance(item, BaseException):
                 raise item
             else:
+                self._room.release()
                 return i, item
 
 
