@@ -136,3 +136,72 @@ def test_an_exception_while_handling_a_frame_does_not_end_the_loop(connected, mo
     assert err["op"] == "error" and err["code"] == "internal_error"
     monkeypatch.undo()
     assert exchange(server, dealer, {"op": "ping"})["op"] == "pong"
+
+
+@pytest.mark.parametrize("scheduling", ["sync"])  # it counts engine steps
+def test_a_client_that_never_reads_is_evicted_and_others_keep_streaming(make_engine,
+                                                                        monkeypatch):
+    """One client submits 100 streams and reads nothing: past its outbox bound it is
+    evicted (requests aborted, blocks freed, later frames answered 'evicted'), while a
+    reading client's stream gets a delta every step throughout."""
+    from fake_workers import metric
+
+    engine, _ = make_engine(max_client_outbox=50, max_num_seqs=128,
+                            max_num_batched_tokens=2048, num_kv_blocks=4096)
+    from nvllm.leader import server as server_module
+
+    real_make_socket = server_module.make_socket
+
+    def small_buffers(*args, **kwargs):  # (options must be set before bind)
+        sock = real_make_socket(*args, **kwargs)
+        sock.setsockopt(zmq.SNDHWM, 10)  # small ZMQ buffers: the bound is reached soon
+        sock.setsockopt(zmq.SNDBUF, 4096)
+        return sock
+
+    monkeypatch.setattr(server_module, "make_socket", small_buffers)
+    server = EngineServer(engine, host="127.0.0.1", port=0)
+    ctx = zmq.Context()
+    hog, good = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (hog, good):
+        s.setsockopt(zmq.LINGER, 0)
+    hog.setsockopt(zmq.RCVHWM, 10)
+    hog.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        hog.connect(server.endpoint)
+        good.connect(server.endpoint)
+        params = {"max_tokens": 60, "ignore_eos": True}
+        for i in range(100):
+            hog.send(msgpack.packb({"op": "submit", "id": i, "prompt_token_ids":
+                                    prompt_ids(i, 4), "params": params}))
+        good.send(msgpack.packb({"op": "submit", "id": "g", "prompt_token_ids":
+                                 prompt_ids(500, 4), "params": params}))
+        server._drain(WAIT_MS)
+        while len(engine.requests) < 101:
+            server._drain(WAIT_MS)
+        # Sync steps, every sequence decoding: each step owes the reading client one
+        # delta, and it gets it whatever the other client does.
+        for step in range(60):
+            server._step()
+            server._drain(0)
+            assert good.poll(WAIT_MS), f"no delta for the reading client at step {step}"
+            m = msgpack.unpackb(good.recv(), raw=False)
+            assert len(m["token_ids"]) == 1 and not good.poll(0)
+        assert m["finish_reason"] == "length"
+        for _ in range(10):
+            if not engine.has_unfinished_requests():
+                break
+            server._step()
+        assert metric(engine, "nvllm:clients_evicted_total") == 1
+        assert not engine.requests and engine.kv.num_free_blocks == engine.kv.num_blocks
+        hog.send(msgpack.packb({"op": "ping"}))
+        server._drain(WAIT_MS)
+        codes = []
+        while hog.poll(200):
+            m = msgpack.unpackb(hog.recv(), raw=False)
+            codes.append(m.get("code"))
+        assert codes[-1] == "evicted"
+    finally:
+        hog.close(0)
+        good.close(0)
+        ctx.term()
+        server.close()

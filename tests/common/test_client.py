@@ -1,0 +1,107 @@
+"""The clients against a scripted leader (a raw ROUTER in the test): a slow reader loses
+only its own request, and a lost leader fails live streams instead of leaving them to
+hang until timeout_s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from nvllm.common import client as client_module
+from nvllm.common.client import AsyncClient, Client, ClientError
+from nvllm.common.errors import EngineDeadError
+
+
+def _output(rid: str, i: int, last: bool = False) -> bytes:
+    return msgpack.packb({"op": "output", "id": rid, "index": 0, "token_ids": [i], "text": "x",
+                          "logprobs": None, "finish_reason": "length" if last else None})
+
+
+@pytest.fixture
+def leader():
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(0)
+    ctx.term()
+
+
+def _submits(sock, n: int) -> tuple[bytes, list[dict]]:
+    """Read frames until n submits arrived; returns (client identity, submits)."""
+    got, ident = [], None
+    deadline = time.monotonic() + 10
+    while len(got) < n:
+        assert sock.poll(max(1, int(1000 * (deadline - time.monotonic())))), "no submit"
+        ident, payload = sock.recv_multipart()
+        msg = msgpack.unpackb(payload, raw=False)
+        if msg.get("op") == "submit":
+            got.append(msg)
+    return ident, got
+
+
+def test_a_slow_reader_loses_only_its_own_request(leader):
+    sock, endpoint = leader
+
+    async def run():
+        c = AsyncClient(endpoint, timeout_s=30, max_buffered=8)
+        try:
+            slow = c.stream("a", {"max_tokens": 100}, request_id="slow")
+            fast = c.stream("b", {"max_tokens": 3}, request_id="fast")
+            first_slow = asyncio.ensure_future(slow.__anext__())
+            first_fast = asyncio.ensure_future(fast.__anext__())
+            ident, _ = await asyncio.to_thread(_submits, sock, 2)
+            for i in range(100):  # far more than the slow caller's buffer
+                sock.send_multipart([ident, _output("slow", i)])
+            for i in range(3):
+                sock.send_multipart([ident, _output("fast", i, last=i == 2)])
+            fast_tokens = [(await first_fast).token_ids[0]]
+            fast_tokens += [d.token_ids[0] async for d in fast]
+            assert fast_tokens == [0, 1, 2]
+            with pytest.raises(ClientError, match="client_overflow"):
+                await first_slow
+                async for _ in slow:
+                    pass
+        finally:
+            c.close()
+
+    asyncio.run(run())
+    # The overflowing request was aborted at the leader.
+    aborts = []
+    while sock.poll(500):
+        msg = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+        if msg.get("op") == "abort":
+            aborts.append(msg["id"])
+    assert "slow" in aborts and "fast" not in aborts
+
+
+def test_a_lost_leader_fails_live_streams(leader, monkeypatch):
+    monkeypatch.setattr(client_module, "LINK_GRACE_S", 0.5)
+    sock, endpoint = leader
+    with Client(endpoint, timeout_s=60) as c:
+        stream = c.stream("a", {"max_tokens": 100}, request_id="r")
+        sock_thread_result = {}
+
+        def answer_once():
+            i, _ = _submits(sock, 1)
+            sock.send_multipart([i, _output("r", 0)])
+            sock_thread_result["ident"] = i
+
+        import threading
+
+        t = threading.Thread(target=answer_once)
+        t.start()
+        assert next(stream).token_ids == [0]
+        t.join(10)
+        ident = sock_thread_result["ident"]
+        assert ident.startswith(b"nv") and len(ident) == 17  # its random, stable identity
+        sock.close(0)  # the leader goes away
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="lost the connection"):
+            next(stream)
+        assert time.monotonic() - t0 < 10  # not timeout_s (60 s)
