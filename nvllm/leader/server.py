@@ -10,12 +10,14 @@ only clients whose public key is authorised complete the handshake.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,9 @@ MAX_FRAME_BYTES = 64 << 20
 MIN_FRAME_BYTES = 1024
 IDLE_POLL_MS = 100
 FLUSH_ON_CLOSE_S = 2.0  # shutdown: how long final messages may take to leave
+# Text prompts longer than this are tokenized on a thread of their own, so a big prompt
+# never stalls the step loop (shorter ones cost less than the hand-off).
+INLINE_TOKENIZE_CHARS = 2048
 _EVICTED_REMEMBERED = 4096
 _LOG_PER_S = 10
 
@@ -45,6 +50,7 @@ class _Owner:
     client_rid: Any
     stream: bool
     remaining: int  # completions that have not sent their final message yet
+    aborted: bool = False  # while its prompt is still being tokenized
     # Non-streaming requests: each completion's deltas, summed until it finishes.
     pending: dict[int, CompletionAccumulator] = field(default_factory=dict)
 
@@ -94,6 +100,10 @@ class EngineServer:
         # Messages a client could not take yet, in order; bounded by max_client_outbox.
         self._outbox: dict[bytes, deque[bytes]] = {}
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
+        # Submits whose text prompt is being tokenized off the loop, in arrival order.
+        self._tokenizing: dict[str, tuple[cp.Submit, Future]] = {}
+        self._tokenize_pool: ThreadPoolExecutor | None = None
+        self._tokenizer: Any = None  # a copy: fast tokenizers are not shared across threads
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -192,7 +202,7 @@ class EngineServer:
         if isinstance(msg, cp.Abort):
             ours = self._by_client[client].get(msg.id)
             if ours is not None:
-                self._emit(self.engine.abort_request(ours).deltas)
+                self._abort(ours)
             return None
         if isinstance(msg, cp.InfoRequest):
             e = self.engine
@@ -218,18 +228,62 @@ class EngineServer:
             return self._error(client, rid, "duplicate_id",
                                "this request id is already in flight on this connection")
         internal = f"srv-{next(self._ids)}"
-        try:
-            self.engine.add_request(self.engine.input_processor.process(
-                msg.prompt, msg.params, request_id=internal,
-                prompt_token_ids=msg.prompt_token_ids, priority=msg.priority,
-                ttl_ms=msg.ttl_ms))
-        except Overloaded as e:
-            return self._error(client, rid, "overloaded", str(e))
-        except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
-            code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
-            return self._error(client, rid, code, str(e))
+        if (msg.prompt is not None and len(msg.prompt) > INLINE_TOKENIZE_CHARS
+                and self.engine.tokenizer is not None):
+            self._tokenizing[internal] = (msg, self._tokenize_later(msg.prompt))
+        elif not self._admit(client, msg, internal, msg.prompt_token_ids):
+            return None
         self._owners[internal] = _Owner(client, rid, msg.stream, msg.params.n)
         self._by_client[client][rid] = internal
+
+    def _admit(self, client: bytes, msg: cp.Submit, internal: str,
+               token_ids: list[int] | None) -> bool:
+        """Process and admit a submit (its prompt as text, or as `token_ids`); an error
+        is answered here."""
+        try:
+            self.engine.add_request(self.engine.input_processor.process(
+                msg.prompt if token_ids is None else None, msg.params, request_id=internal,
+                prompt_token_ids=token_ids, priority=msg.priority, ttl_ms=msg.ttl_ms))
+            return True
+        except Overloaded as e:
+            self._error(client, msg.id, "overloaded", str(e))
+        except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
+            code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
+            self._error(client, msg.id, code, str(e))
+        return False
+
+    def _tokenize_later(self, prompt: str) -> Future:
+        if self._tokenize_pool is None:
+            self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nvllm-tokenize")
+            self._tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return self._tokenize_pool.submit(lambda: self._tokenizer(prompt).input_ids)
+
+    def _admit_tokenized(self) -> None:
+        """Admit the submits whose prompts are tokenized, in arrival order."""
+        while self._tokenizing:
+            internal, (msg, fut) = next(iter(self._tokenizing.items()))
+            if not fut.done():
+                return
+            del self._tokenizing[internal]
+            owner = self._owners.get(internal)
+            if owner is None:  # its client was evicted meanwhile
+                continue
+            error = fut.exception()
+            if error is not None or not self._admit(owner.client, msg, internal, fut.result()):
+                if error is not None:
+                    self._error(owner.client, msg.id, "rejected", "the prompt could not be "
+                                                                  "tokenized")
+                self._owners.pop(internal, None)
+                self._by_client[owner.client].pop(owner.client_rid, None)
+            elif owner.aborted:
+                self._emit(self.engine.abort_request(internal).deltas)
+
+    def _abort(self, internal: str) -> None:
+        owner = self._owners.get(internal)
+        if internal in self._tokenizing and owner is not None:
+            owner.aborted = True  # ends as soon as it is admitted, with its final messages
+        else:
+            self._emit(self.engine.abort_request(internal).deltas)
 
     # ---- outputs -----------------------------------------------------------------------
 
@@ -266,7 +320,7 @@ class EngineServer:
                 logger.warning("client silent for %.0f s: aborting its %d request(s)", limit,
                                len(live))
                 for ours in list(live.values()):
-                    self._emit(self.engine.abort_request(ours).deltas)
+                    self._abort(ours)
             if not self._by_client.get(client):
                 self._by_client.pop(client, None)
                 self._last_seen.pop(client, None)
@@ -303,7 +357,8 @@ class EngineServer:
         batch_wait = self.engine.config.batch_timeout_ms / 1000.0
         while not stop.is_set():
             busy = self.dead is None and self.engine.has_unfinished_requests()
-            self._drain(0 if busy else IDLE_POLL_MS)
+            self._drain(0 if busy else 5 if self._tokenizing else IDLE_POLL_MS)
+            self._admit_tokenized()
             if not busy and batch_wait and self.engine.has_unfinished_requests():
                 # Idle until now: give more arrivals a moment to join the first prefill.
                 deadline = time.monotonic() + batch_wait
@@ -312,10 +367,17 @@ class EngineServer:
             self._step()
         self.draining = True
         deadline = time.monotonic() + shutdown_timeout_s
-        while (self.dead is None and self.engine.has_unfinished_requests()
-               and time.monotonic() < deadline):
+        while (self.dead is None and time.monotonic() < deadline
+               and (self.engine.has_unfinished_requests() or self._tokenizing)):
             self._drain(0)
+            self._admit_tokenized()
             self._step()
+        for internal in list(self._tokenizing):  # never admitted: end them here
+            msg, _ = self._tokenizing.pop(internal)
+            owner = self._owners.pop(internal, None)
+            if owner is not None:
+                self._error(owner.client, msg.id, "engine_unavailable",
+                            "the engine is shutting down")
         for rid in list(self.engine.requests):
             self._emit(self.engine.abort_request(rid).deltas)
         self._drain(0)
@@ -341,6 +403,8 @@ class EngineServer:
             self._fail_everything(str(e))
 
     def close(self) -> None:
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         # What ZMQ still holds for clients leaves within the linger, never later.
         self.sock.close(linger=int(FLUSH_ON_CLOSE_S * 1000))
         if self._auth is not None:  # its ZAP socket lives on ctx: stop it before term

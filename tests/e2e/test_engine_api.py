@@ -376,25 +376,30 @@ def test_a_forged_result_for_the_current_step_is_dropped(llm, monkeypatch):
     assert_no_blocks_held(llm)
 
 
-def test_ctrl_c_in_generate_leaves_the_engine_clean(llm):
+def test_ctrl_c_in_generate_leaves_the_engine_clean(llm, monkeypatch):
     """Ctrl-C during generate raises KeyboardInterrupt between steps (or in a wait, before
     a result is taken): the call's requests end and free their blocks, nothing stays in
-    flight half-applied, and the next call gives exactly the uninterrupted output."""
-    import threading
-
+    flight half-applied, and the next call gives exactly the uninterrupted output. The
+    signal is sent from inside the k-th step (a real SIGINT to this process), so where
+    it lands does not depend on how fast the machine is."""
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24]]
     p = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    t0 = time.perf_counter()
     want = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
-    took = time.perf_counter() - t0
-    for fraction in (0.2, 0.6):
-        timer = threading.Timer(fraction * took, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                llm.generate(prompts, p, use_tqdm=False)
-        finally:
-            timer.join()
+    real_step = llm.engine.step
+    for k in (3, 40):
+        calls = [0]
+
+        def step(*args, k=k, calls=calls, **kwargs):
+            calls[0] += 1
+            if calls[0] == k:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real_step(*args, **kwargs)
+
+        monkeypatch.setattr(llm.engine, "step", step)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, p, use_tqdm=False)
+        monkeypatch.setattr(llm.engine, "step", real_step)
+        assert calls[0] == k  # it landed in that step, not later
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert not llm.engine.requests
         got = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]

@@ -6,6 +6,8 @@ clients do: malformed or unknown frames get an error reply and change nothing.
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import zmq
@@ -205,3 +207,42 @@ def test_a_client_that_never_reads_is_evicted_and_others_keep_streaming(make_eng
         good.close(0)
         ctx.term()
         server.close()
+
+
+def test_a_long_text_prompt_is_tokenized_off_the_loop(connected, tokenizer, monkeypatch):
+    """A prompt past INLINE_TOKENIZE_CHARS leaves the loop for a tokenizer thread: the
+    frame is handled without admitting it, it is admitted once tokenized (with exactly the
+    tokenizer's ids), and an abort meanwhile still ends it with its final message."""
+    from nvllm.leader import server as server_module
+
+    monkeypatch.setattr(server_module, "INLINE_TOKENIZE_CHARS", 100)  # (a tiny model)
+    engine, server, dealer = connected
+    text = "hello world " * 20
+    assert len(text) > server_module.INLINE_TOKENIZE_CHARS
+    for rid in ("long", "gone"):
+        dealer.send(msgpack.packb({"op": "submit", "id": rid, "prompt": text,
+                                   "params": {"max_tokens": 2, "ignore_eos": True}}))
+    server._drain(WAIT_MS)
+    server._drain(WAIT_MS)
+    assert len(server._tokenizing) == 2 and not engine.requests  # not on the loop
+    dealer.send(msgpack.packb({"op": "abort", "id": "gone"}))
+    server._drain(WAIT_MS)
+    deadline = time.monotonic() + 30
+    while server._tokenizing:
+        assert time.monotonic() < deadline
+        for _, fut in list(server._tokenizing.values()):
+            fut.result(timeout=30)
+        server._admit_tokenized()
+    want = tokenizer(text).input_ids
+    assert [r.prompt_token_ids for r in engine.requests.values()] == [want]
+    finals = {}
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        server._step()
+    while dealer.poll(500):
+        m = msgpack.unpackb(dealer.recv(), raw=False)
+        if m.get("finish_reason") is not None:
+            finals[m["id"]] = m["finish_reason"]
+    assert finals == {"gone": "abort", "long": "length"}
+    assert not engine.requests and engine.kv.num_free_blocks == engine.kv.num_blocks
