@@ -104,6 +104,8 @@ class EngineServer:
         self._tokenizing: dict[str, tuple[cp.Submit, Future]] = {}
         self._tokenize_pool: ThreadPoolExecutor | None = None
         self._tokenizer: Any = None  # a copy: fast tokenizers are not shared across threads
+        self._cancelled: Any = None  # serve() sets it: a step waits no longer than this says
+        self._abandoned = False  # shutdown gave up on a step in flight
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -355,6 +357,17 @@ class EngineServer:
         admitting, let in-flight requests finish for up to shutdown_timeout_s, and abort
         the rest (each client still gets its final message)."""
         batch_wait = self.engine.config.batch_timeout_ms / 1000.0
+        give_up_at: list[float] = []
+
+        def past_shutdown_deadline() -> bool:
+            # A step waiting on hung workers must not hold shutdown past its timeout.
+            if not stop.is_set():
+                return False
+            if not give_up_at:
+                give_up_at.append(time.monotonic() + shutdown_timeout_s)
+            return time.monotonic() > give_up_at[0]
+
+        self._cancelled = past_shutdown_deadline
         while not stop.is_set():
             busy = self.dead is None and self.engine.has_unfinished_requests()
             self._drain(0 if busy else 5 if self._tokenizing else IDLE_POLL_MS)
@@ -367,7 +380,7 @@ class EngineServer:
             self._step()
         self.draining = True
         deadline = time.monotonic() + shutdown_timeout_s
-        while (self.dead is None and time.monotonic() < deadline
+        while (self.dead is None and time.monotonic() < deadline and not self._abandoned
                and (self.engine.has_unfinished_requests() or self._tokenizing)):
             self._drain(0)
             self._admit_tokenized()
@@ -394,13 +407,17 @@ class EngineServer:
             return
         try:
             if self.engine.has_unfinished_requests():
-                self._emit(self.engine.step().deltas)
+                self._emit(self.engine.step(self._cancelled).deltas)
             elif swept:
                 # Idle: a worker death (or, with restart_workers, its recovery) must not
                 # wait for the next request; health answers the truth meanwhile.
                 self._emit(self.engine.check_workers().deltas)
         except EngineDeadError as e:
             self._fail_everything(str(e))
+        except KeyboardInterrupt:  # shutdown's deadline passed while the workers hung
+            logger.warning("shutdown: the step in flight did not finish in time; ending "
+                           "every request")
+            self._abandoned = True
 
     def close(self) -> None:
         if self._tokenize_pool is not None:

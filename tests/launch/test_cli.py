@@ -169,3 +169,53 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
     assert out.exit_code == 0, out.output
     assert not {"--max-body-bytes", "--trust-request-chat-template",
                 "--allow-priority"} & set(calls[-1]["cmd"])
+
+
+def test_sigterm_stops_everything_even_with_a_stopped_worker(tiny, procs):
+    """A worker that stops answering (SIGSTOP) mid-stream: SIGTERM still ends the
+    leader and every worker within --shutdown-timeout plus a few seconds, and the client
+    gets its request's end rather than silence."""
+    import os
+
+    import msgpack
+    import zmq
+
+    proc = subprocess.Popen([*LAUNCH, "--model", tiny("qwen3"), "--tp", "2", "--device", "cpu",
+                             "--shutdown-timeout", "1", "--heartbeat-timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    pids: list[int] = []
+    try:
+        lines = []
+        while not lines or ("serving on" not in lines[-1] and lines[-1]):
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        endpoint = re.search(r"serving on (tcp://\S+);", text).group(1)
+        pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", text).group(1).split(",")]
+        sock.connect(endpoint)
+        sock.send(msgpack.packb({"op": "submit", "id": "r", "prompt": "A long story",
+                                 "params": {"max_tokens": 1000, "ignore_eos": True}}))
+        assert sock.poll(60_000) and msgpack.unpackb(sock.recv())["finish_reason"] is None
+        os.kill(pids[1], signal.SIGSTOP)  # hung: no heartbeats, no steps
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=1 + 20)
+        assert time.monotonic() - t0 < 1 + 20
+        assert not any(procs.pid_alive(p) for p in pids)
+        last = None
+        while sock.poll(2000):
+            last = msgpack.unpackb(sock.recv())
+        assert last is not None and (last.get("finish_reason") == "abort"
+                                     or last.get("op") == "error"), last
+    finally:
+        sock.close(0)
+        ctx.term()
+        for p in pids:
+            if procs.pid_alive(p):
+                os.kill(p, signal.SIGCONT)
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
