@@ -20,20 +20,31 @@ VERSION = 1  # of the client protocol (docs/protocol.md)
 
 
 @pytest.fixture
-def connected(make_engine):
-    """(engine, server, dealer): a server on 127.0.0.1 (random port), a client for it."""
-    engine, _ = make_engine()
-    server = EngineServer(engine, host="127.0.0.1", port=0)
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    try:
+def serve_engine(make_engine):
+    """serve_engine(**engine_options) -> (engine, server, dealer): a server on 127.0.0.1
+    (random port) and a client for it, closed after the test."""
+    opened = []
+
+    def factory(**overrides):
+        engine, _ = make_engine(**overrides)
+        server = EngineServer(engine, host="127.0.0.1", port=0)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        opened.append((server, ctx, dealer))
         dealer.connect(server.endpoint)
-        yield engine, server, dealer
-    finally:
+        return engine, server, dealer
+
+    yield factory
+    for server, ctx, dealer in opened:
         dealer.close(0)
         ctx.term()
         server.close()
+
+
+@pytest.fixture
+def connected(serve_engine):
+    return serve_engine()
 
 
 def exchange(server, dealer, payload: bytes | dict) -> dict:
@@ -99,32 +110,22 @@ def test_the_server_still_serves_after_bad_frames(connected):
 
 
 @pytest.mark.parametrize("scheduling", ["sync"])  # (no engine steps involved)
-def test_a_ping_flood_is_read_at_a_bounded_rate(make_engine):
+def test_a_ping_flood_is_read_at_a_bounded_rate(serve_engine):
     """The server reads at most max_client_frames_per_step frames between two steps; the
     rest wait in ZMQ's queues, so a flood delays its sender, not the running streams."""
-    engine, _ = make_engine(max_client_frames_per_step=8)
-    server = EngineServer(engine, host="127.0.0.1", port=0)
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    try:
-        dealer.connect(server.endpoint)
-        for _ in range(40):
-            dealer.send(msgpack.packb({"op": "ping"}))
-        per_drain = []
-        while sum(per_drain) < 40:
-            assert len(per_drain) < 40, "pings went unanswered"
-            server._drain(WAIT_MS)
-            n = 0
-            while dealer.poll(100):
-                dealer.recv()
-                n += 1
-            per_drain.append(n)
-        assert max(per_drain) == 8 and sum(per_drain) == 40
-    finally:
-        dealer.close(0)
-        ctx.term()
-        server.close()
+    engine, server, dealer = serve_engine(max_client_frames_per_step=8)
+    for _ in range(40):
+        dealer.send(msgpack.packb({"op": "ping"}))
+    per_drain = []
+    while sum(per_drain) < 40:
+        assert len(per_drain) < 40, "pings went unanswered"
+        server._drain(WAIT_MS)
+        n = 0
+        while dealer.poll(100):
+            dealer.recv()
+            n += 1
+        per_drain.append(n)
+    assert max(per_drain) == 8 and sum(per_drain) == 40
 
 
 def test_an_exception_while_handling_a_frame_does_not_end_the_loop(connected, monkeypatch):
