@@ -78,6 +78,12 @@ def test_secret_keys_readable_by_others_are_refused(tmp_path, mode):
     d = generate_keys(tmp_path / "k")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
+
+    def attempt(load) -> None:
+        got = load()
+        if hasattr(got, "stop"):  # curve_server's authenticator thread: never leave it
+            got.stop()
+
     try:
         loaders = {"server.key_secret": lambda: curve_server(ctx, sock, d),
                    "client.key_secret": lambda: load_client_keys(d),
@@ -88,19 +94,19 @@ def test_secret_keys_readable_by_others_are_refused(tmp_path, mode):
             fix = f"chmod 600 {path}"
             if mode & 0o077:
                 with pytest.raises(PermissionError, match=f"{path}.*{fix}"):
-                    load()
+                    attempt(load)
             else:  # owner-only bits are fine
-                got = load()
-                if hasattr(got, "stop"):  # curve_server's authenticator thread
-                    got.stop()
+                attempt(load)
             os.chmod(path, 0o600)
-        # The worker side of the leader's sockets checks both secrets it reads.
+        # The leader's side of the worker sockets checks both secrets it reads.
         os.chmod(d / "worker.key_secret", 0o644)
         with pytest.raises(PermissionError, match="worker.key_secret"):
-            curve_server(ctx, sock, d, workers=True)
+            attempt(lambda: curve_server(ctx, sock, d, workers=True))
     finally:
         sock.close(0)
         ctx.term()
+
+
 def test_missing_key_files_name_the_fix(tmp_path):
     ctx = zmq.Context()
     try:
