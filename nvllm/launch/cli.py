@@ -92,8 +92,9 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               help="Start no workers: every rank joins from torchrun or srun "
                    "(python -m nvllm.launch.worker does this for you).")
 @click.option("--curve-key-dir", default=None, envvar="NVLLM_CURVE_KEY_DIR",
-              help="CURVE keys (made by nvllm-keys) for the client endpoint and the "
-                   "leader<->worker sockets; required when binding beyond loopback.")
+              help="CURVE keys (made by nvllm-keys) for the client endpoint (admits "
+                   "clients/*.key) and the leader<->worker sockets (admit worker.key "
+                   "only); required when binding beyond loopback.")
 @click.option("--max-frame-bytes", default=64 << 20, type=int,
               help="Largest client frame; ZMQ drops a bigger one and that connection.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")

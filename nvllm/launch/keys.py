@@ -1,8 +1,11 @@
 """``nvllm-keys DIR``: create the CURVE key folder that authenticates clients of the
-engine's ZMQ endpoint (layout in nvllm/common/zmq_utils.py; README "Remote access").
+engine's ZMQ endpoint and the workers of a multi-node group (layout in
+nvllm/common/zmq_utils.py; README "Remote access").
 
 The server reads DIR (``nvllm-launch --curve-key-dir DIR``); a client needs DIR's
-``server.key`` and a keypair whose public half is in the server's ``DIR/clients/``.
+``server.key`` and a keypair whose public half is in the server's ``DIR/clients/``; a
+worker node needs ``server.key`` and ``worker.key_secret``, the one key the leader's worker
+sockets admit. Secret files are written 0600 (any wider mode is refused when loading).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from nvllm.common.zmq_utils import generate_keys
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("key_dir", type=click.Path(file_okay=False))
 def main(key_dir: str) -> None:
-    """Create a server keypair, a default client keypair, and DIR/clients/ authorising it.
+    """Create a server keypair, a default client keypair, DIR/clients/ authorising it, and
+    the worker keypair (the only key the worker sockets admit).
 
-    Existing keys are never overwritten."""
+    Existing keys are never overwritten; a folder that lacks only the worker keypair gets
+    it."""
     try:
         d = generate_keys(key_dir)
     except (FileExistsError, OSError) as e:
@@ -30,7 +35,8 @@ def main(key_dir: str) -> None:
                f"  client:  nvllm-client --curve-key-dir {d} --endpoint tcp://HOST:PORT ...\n"
                f"  (a remote client needs a copy of {d}/server.key, client.key and "
                f"client.key_secret; to authorise another client, put its public .key file "
-               f"in {d}/clients/)")
+               f"in {d}/clients/; worker nodes need server.key and worker.key_secret, which "
+               f"no client should get)")
 
 
 if __name__ == "__main__":

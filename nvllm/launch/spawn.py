@@ -2,11 +2,15 @@
 
 The leader's node starts its local workers as plain subprocesses (``python -m
 nvllm.worker.main``, spec in an environment variable), so nothing depends on the caller's
-``__main__``. On one host, rendezvous uses a FileStore in a private temporary folder: no
-fixed port, so engines run side by side. Across nodes the leader hosts (or, under
+``__main__``. On one host, rendezvous uses a FileStore in a private (0700) temporary
+folder, and the leader's plan, result and heartbeat sockets are ``ipc://`` paths in the
+same folder: no fixed port, so engines run side by side, and no other user can reach the
+sockets. The folder goes when the group stops. Across nodes the leader hosts (or, under
 torchrun, joins) a TCPStore at master_addr:master_port and publishes the group spec there
-(its plan, result and heartbeat endpoints, the engine config); the other nodes'
-launchers (``run_worker_node``) or torchrun/srun tasks read it and start their ranks.
+(its plan, result and heartbeat endpoints: tcp on the master address, with
+``--curve-key-dir`` CURVE servers admitting only the workers' key; the engine config);
+the other nodes' launchers (``run_worker_node``) or torchrun/srun tasks read it and start
+their ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from nvllm.common.config import DistConfig, EngineConfig
-from nvllm.common.zmq_utils import check_curve_bind
+from nvllm.common.zmq_utils import check_curve_bind, private_ipc_dir
 from nvllm.leader.worker_client import WorkerGroupClient
 
 logger = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class WorkerGroup:
 
     client: WorkerGroupClient
     procs: dict[int, subprocess.Popen]  # rank -> process, for ranks started on this node
-    tmpdir: str | None = None
+    tmpdir: str | None = None  # one host: the FileStore and the ipc sockets (mode 0700)
     store: Any = None  # keeps a hosted TCPStore alive for the group's lifetime
     stopped: bool = field(default=False)
 
@@ -153,7 +156,8 @@ def check_worker_bind(dist: DistConfig) -> str:
 
 
 def _bind_host(dist: DistConfig) -> str:
-    """Loopback on one host; across nodes, the master address (workers connect to it)."""
+    """Loopback on one host (where the sockets are ipc anyway); across nodes, the master
+    address (workers connect to it)."""
     if not dist.uses_store:
         return "127.0.0.1"
     try:
@@ -167,8 +171,16 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
     dist = (dist or DistConfig()).validate(config.tensor_parallel_size)
     tp = config.tensor_parallel_size
     bind_host = check_worker_bind(dist)
-    client = WorkerGroupClient(tp, bind_host, config.heartbeat_timeout_s, dist.curve_key_dir)
-    tmpdir = store = None
+    # One host: every socket is a unix socket in a folder only this user can enter.
+    tmpdir = None if dist.uses_store else private_ipc_dir()
+    try:
+        client = WorkerGroupClient(tp, bind_host, config.heartbeat_timeout_s,
+                                   dist.curve_key_dir, ipc_dir=tmpdir)
+    except BaseException:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    store = None
     try:
         spec: dict[str, Any] = {
             "world_size": tp, "config": config.to_dict(),
@@ -200,7 +212,6 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
             logger.info("published the engine spec on %s:%d for %d worker(s)",
                         dist.master_addr, dist.master_port, tp)
         else:
-            tmpdir = tempfile.mkdtemp(prefix="nvllm-")
             spec["rendezvous"] = {"file": os.path.join(tmpdir, "dist_store")}
         ranks = dist.local_ranks(tp)
         procs = dict(zip(ranks, spawn_workers(spec, ranks, os.getpid())))

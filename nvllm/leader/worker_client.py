@@ -1,10 +1,15 @@
 """The leader's sockets to one worker group: send plans, receive results, watch liveness.
 
-One PUSH socket per worker (every rank gets every plan; one serialization, N sends) and
-one PULL socket that all ranks push to (rank 0's results, every rank's ready and error
-messages). The leader never blocks on a receive for long: between short polls it asks
-whether every worker still lives: the launcher's process check for local workers, and
-for every rank (local or on another node) the heartbeats a background thread answers.
+One PUSH socket per worker (every rank gets every plan; one serialization, N sends), one
+PULL socket that all ranks push to (rank 0's results, every rank's ready and error
+messages), and a ROUTER that answers heartbeats. Only the group's own workers can reach
+them: on one host they are ``ipc://`` paths inside a private (0700) folder, which no other
+user can enter; across nodes they bind tcp on the master address as CURVE servers that
+admit the workers' key (DIR/worker.key) only, never a client key.
+
+The leader never blocks on a receive for long: between short polls it asks whether every
+worker still lives: the launcher's process check for local workers, and for every rank
+(local or on another node) the heartbeats a background thread answers.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ import zmq
 
 from nvllm.common import worker_protocol
 from nvllm.common.errors import EngineDeadError, ProtocolError
-from nvllm.common.zmq_utils import bind_random, curve_server, curve_server_keys, make_socket
+from nvllm.common.zmq_utils import (
+    bind_ipc,
+    bind_random,
+    curve_server,
+    curve_server_keys,
+    make_socket,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +54,10 @@ class HeartbeatMonitor:
 
     DISCONNECT_GRACE_S = 1.0
 
-    def __init__(self, ctx: zmq.Context, num_workers: int, host: str, timeout_s: float,
-                 secure: Callable[[zmq.Socket], None] = lambda s: None,
+    def __init__(self, ctx: zmq.Context, num_workers: int, bind: Callable[[zmq.Socket], str],
+                 timeout_s: float, secure: Callable[[zmq.Socket], None] = lambda s: None,
                  per_rank: list[zmq.Socket] = ()) -> None:
+        """`bind` binds the ROUTER and returns its endpoint."""
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.last_seen: dict[int, float] = {}
@@ -53,7 +65,7 @@ class HeartbeatMonitor:
         self.disconnected: dict[int, float] = {}
         self._sock = make_socket(ctx, zmq.ROUTER, max_msg_bytes=4096)
         secure(self._sock)
-        self.endpoint = bind_random(self._sock, host)
+        self.endpoint = bind(self._sock)
         self._monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
                           for s in per_rank]
         self._stop = threading.Event()
@@ -127,9 +139,14 @@ class HeartbeatMonitor:
 
 class WorkerGroupClient:
     def __init__(self, num_workers: int, host: str = "127.0.0.1",
-                 heartbeat_timeout_s: float = 4.0, curve_key_dir: str | None = None) -> None:
-        """With `curve_key_dir`, every socket is a CURVE server admitting only the keys in
-        DIR/clients (workers connect with DIR/client.key_secret)."""
+                 heartbeat_timeout_s: float = 4.0, curve_key_dir: str | None = None,
+                 ipc_dir: str | None = None) -> None:
+        """Binds every socket to an ``ipc://`` path in `ipc_dir` (a private folder the
+        caller made, and removes after close: see zmq_utils.private_ipc_dir), or without
+        it to a random tcp port on `host`. With `curve_key_dir`, every socket is also a
+        CURVE server (keypair DIR/server.key_secret) admitting only the workers' public
+        key DIR/worker.key (workers connect with DIR/worker.key_secret); the client keys
+        in DIR/clients are refused here."""
         self.ctx = zmq.Context()
         self.num_workers = num_workers
         self.plan_socks = [make_socket(self.ctx, zmq.PUSH) for _ in range(num_workers)]
@@ -140,16 +157,28 @@ class WorkerGroupClient:
             if curve_key_dir is None:
                 return
             if self._auth is None:
-                self._auth = curve_server(self.ctx, sock, curve_key_dir)
+                self._auth = curve_server(self.ctx, sock, curve_key_dir, workers=True)
             else:
                 curve_server_keys(sock, curve_key_dir)
 
-        for s in (*self.plan_socks, self.result_sock):
-            secure(s)
-        self.plan_endpoints = [bind_random(s, host) for s in self.plan_socks]
-        self.result_endpoint = bind_random(self.result_sock, host)
-        self.heartbeats = HeartbeatMonitor(self.ctx, num_workers, host, heartbeat_timeout_s,
-                                           secure, self.plan_socks)
+        def binder(name: str) -> Callable[[zmq.Socket], str]:
+            if ipc_dir is not None:
+                return lambda sock: bind_ipc(sock, ipc_dir, name)
+            return lambda sock: bind_random(sock, host)
+
+        try:
+            for s in (*self.plan_socks, self.result_sock):
+                secure(s)
+            self.plan_endpoints = [binder(f"plan-{rank}")(s)
+                                   for rank, s in enumerate(self.plan_socks)]
+            self.result_endpoint = binder("result")(self.result_sock)
+            self.heartbeats = HeartbeatMonitor(self.ctx, num_workers, binder("heartbeat"),
+                                               heartbeat_timeout_s, secure, self.plan_socks)
+        except BaseException:  # a missing key file, a bad ipc folder
+            if self._auth is not None:
+                self._auth.stop()
+            self.ctx.destroy(0)
+            raise
         # The launcher's process check: rank -> how it died, for its local workers.
         self.liveness_check: Callable[[], dict[int, str]] = dict
         self.dead: str | None = None

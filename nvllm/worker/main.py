@@ -274,11 +274,15 @@ def run_worker(spec: dict) -> None:
 
 
 def _curve_client(key_dir: str | None) -> Callable[[zmq.Socket], None]:
+    """With a key folder, every socket to the leader is a CURVE client with the workers'
+    keypair DIR/worker.key_secret (the only key the leader's worker sockets admit) of the
+    server DIR/server.key. Without one, the endpoints are ipc paths in the leader's
+    private folder (one host) or loopback tcp."""
     if not key_dir:
         return lambda s: None
-    from nvllm.common.zmq_utils import curve_client
+    from nvllm.common.zmq_utils import curve_worker
 
-    return lambda s: curve_client(s, key_dir)
+    return lambda s: curve_worker(s, key_dir)
 
 
 def worker_entry(spec: dict) -> None:

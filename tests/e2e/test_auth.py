@@ -186,13 +186,16 @@ def test_gateway_attaches_with_keys(secured, keys, procs):
 
 
 def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
-    """With curve_key_dir the leader's plan/result/heartbeat sockets are CURVE servers: the
-    engine's own workers (keyed) run as usual, and a stray PULL peer on a plan endpoint,
-    which without auth could take plans round-robin, gets nothing and takes nothing."""
+    """With curve_key_dir the leader's plan/result/heartbeat sockets are CURVE servers that
+    admit the workers' key only: the engine's own workers (worker.key_secret) run as usual,
+    and a stray PULL peer on a plan endpoint, which without auth could take plans
+    round-robin, gets nothing and takes nothing, although it holds the client keypair
+    that the client endpoint admits."""
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
     from nvllm.common.config import DistConfig
+    from nvllm.common.zmq_utils import curve_client
 
     p = SamplingParams(**GREEDY)
     with LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2) as plain:
@@ -202,6 +205,7 @@ def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
         ctx = zmq.Context()
         thief = ctx.socket(zmq.PULL)
         thief.setsockopt(zmq.LINGER, 0)
+        curve_client(thief, keys)  # keys/client.key_secret, in keys/clients/
         monitor = thief.get_monitor_socket()
         thief.connect(llm.engine.executor.workers.plan_endpoints[1])
         # Until the leader has refused the thief's handshake (or dropped its connection).
@@ -210,7 +214,7 @@ def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
         deadline = time.monotonic() + 10
         while True:
             assert monitor.poll(max(1, int(1000 * (deadline - time.monotonic())))), \
-                "the leader neither refused nor dropped the unauthenticated peer"
+                "the leader neither refused nor dropped the client-keyed peer"
             if recv_monitor_message(monitor)["event"] in refused:
                 break
         thief.disable_monitor()
@@ -218,7 +222,26 @@ def test_worker_sockets_with_curve_admit_only_keyed_peers(tiny, keys):
         try:
             got = [o.token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]
             assert got == ref
-            assert not thief.poll(200), "an unauthenticated peer received a plan"
+            assert not thief.poll(200), "a client-keyed peer received a plan"
         finally:
             thief.close()
             ctx.term()
+
+
+def test_one_host_worker_sockets_are_ipc_in_a_private_folder(tiny):
+    """On one host the leader's worker sockets are unix sockets in a folder of mode 0700
+    owned by this user (no other user can connect), and the folder goes with the group."""
+    import stat
+
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        folder = llm.engine.executor.group.tmpdir
+        st = os.stat(folder)
+        assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+        workers = llm.engine.executor.workers
+        for endpoint in (*workers.plan_endpoints, workers.result_endpoint,
+                         workers.heartbeat_endpoint):
+            assert endpoint.startswith(f"ipc://{folder}/"), endpoint
+            assert stat.S_ISSOCK(os.stat(endpoint[len("ipc://"):]).st_mode)
+        out = llm.generate(PROMPTS[:1], SamplingParams(**GREEDY), use_tqdm=False)
+        assert len(out[0].token_ids) == GREEDY["max_tokens"]
+    assert not os.path.exists(folder)
