@@ -11,11 +11,11 @@ import sys
 import textwrap
 import threading
 import time
-from types import SimpleNamespace
 
 import msgpack
 import pytest
 from raw_client import RawClient
+from served import serve, teardown, wait_idle
 from zmq.utils.monitor import recv_monitor_message
 
 from nvllm import LLM, SamplingParams
@@ -25,34 +25,6 @@ from nvllm.leader.server import MAX_FRAME_BYTES, EngineServer
 pytestmark = pytest.mark.e2e
 
 GREEDY = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
-
-
-def serve(llm: LLM) -> SimpleNamespace:
-    server = EngineServer(llm.engine)
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    return SimpleNamespace(llm=llm, server=server, endpoint=server.endpoint, stop=stop,
-                           thread=thread)
-
-
-def teardown(s: SimpleNamespace) -> None:
-    s.stop.set()
-    s.thread.join(30)
-    s.server.close()
-    s.llm.shutdown()
-
-
-def wait_idle(llm: LLM, timeout: float = 15.0) -> None:
-    """Until no request is left in the engine and every KV block is free again."""
-    kv = llm.engine.kv
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not llm.engine.requests and kv.num_free_blocks == kv.num_blocks:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {len(llm.engine.requests)} requests, "
-                         f"{kv.num_blocks - kv.num_free_blocks} blocks held")
 
 
 @pytest.fixture(scope="module")
