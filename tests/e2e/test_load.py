@@ -109,6 +109,8 @@ def test_zmq_and_http_streams_under_load(served, tiny, tmp_path):
         stop_process(gateway, signal.SIGTERM)
     wait_idle(served.llm, timeout=60)
     after = rss_mb()
+    server = served.server  # nothing left of any request at the endpoint either
+    assert not server._owners and not any(server._by_client.values()) and not server._outbox
     kv = served.llm.engine.kv
     assert kv.num_free_blocks == kv.num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
     print(f"\nload: {NUM_ZMQ} zmq streams in {zmq_s:.1f}s ({NUM_ZMQ / zmq_s:.0f} req/s), "

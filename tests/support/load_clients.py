@@ -15,7 +15,7 @@ import sys
 async def zmq_streams(endpoint: str, first: int, count: int, max_tokens: int) -> list:
     from nvllm.common.client import AsyncClient
 
-    c = AsyncClient(endpoint, timeout_s=600)
+    c = AsyncClient(endpoint, timeout_s=300)  # per message: a lost one fails
     params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
 
     async def one(i: int) -> list:
