@@ -69,8 +69,9 @@ request_ids = st.one_of(st.integers(0, 5), st.integers(0, 5), st.text(max_size=6
                         st.lists(ints, max_size=3))
 token_ids = st.one_of(st.integers(0, 1000), ints, floats, st.text(max_size=3))
 param_values = {
-    "n": st.one_of(st.integers(1, 3), ints, floats),
+    "n": st.one_of(st.integers(1, 3), st.integers(100, 200), ints, floats),
     "max_tokens": st.one_of(st.integers(1, 8), ints),
+    "top_k": st.one_of(st.integers(-2, 5), ints),
     "stop_token_ids": st.one_of(st.lists(st.integers(0, 1000), max_size=5),
                                 st.lists(token_ids, max_size=300)),
     "stop": st.one_of(st.lists(st.text(max_size=5), max_size=20), st.text(max_size=300),
@@ -117,11 +118,25 @@ def submits(draw) -> dict:
                  "stream": st.one_of(st.booleans(), values),
                  "v": st.one_of(st.just(1), ints, values), "op": ops}
     for k in draw(st.lists(st.sampled_from(sorted(mutations)), max_size=3, unique=True)):
-        if draw(st.integers(0, 5)) == 0:
+        if k == "params" and draw(st.booleans()):  # one parameter mutated, the rest valid
+            name = draw(st.sampled_from(PARAM_FIELDS))
+            msg["params"] = {**msg["params"], name: draw(st.one_of(
+                param_values.get(name, leaves), ints, floats, leaves))}
+        elif draw(st.integers(0, 5)) == 0:
             msg.pop(k, None)
         else:
             msg[k] = draw(mutations[k])
     return msg
+
+
+@st.composite
+def one_param_submits(draw) -> dict:
+    """A valid submit but for one sampling parameter: each limit and check in reach."""
+    name = draw(st.sampled_from(PARAM_FIELDS))
+    specific = param_values.get(name, leaves)
+    value = draw(st.one_of(specific, specific, st.one_of(ints, floats, leaves)))
+    return {"op": "submit", "v": 1, "id": draw(st.integers(0, 5)),
+            "prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 3, name: value}}
 
 
 maps = st.builds(lambda op, rest, v: {"op": op, **rest, **v}, ops,
@@ -150,7 +165,7 @@ def raw_frames(draw) -> bytes:
 
 
 # ("abort-live", i): the harness aborts its i-th live request (modulo), if any.
-frames = st.one_of(submits().map(pack), submits().map(pack), submits().map(pack),
+frames = st.one_of(submits().map(pack), submits().map(pack), one_param_submits().map(pack),
                    maps.map(pack), aborts.map(pack), raw_frames(),
                    st.tuples(st.just("abort-live"), st.integers(0, 15)))
 
@@ -159,7 +174,8 @@ frames = st.one_of(submits().map(pack), submits().map(pack), submits().map(pack)
 
 
 @settings(derandomize=True, deadline=None, max_examples=1500)
-@given(frame=frames.filter(lambda f: isinstance(f, bytes)))
+@given(frame=st.one_of(frames.filter(lambda f: isinstance(f, bytes)),
+                      one_param_submits().map(pack)))
 def test_the_decoder_returns_a_message_or_a_protocol_error(frame):
     try:
         msg = cp.decode_client_frame(frame)
