@@ -11,11 +11,11 @@ import sys
 import textwrap
 import threading
 import time
-from types import SimpleNamespace
 
 import msgpack
 import pytest
 from raw_client import RawClient
+from served import serve, teardown, wait_idle
 from zmq.utils.monitor import recv_monitor_message
 
 from nvllm import LLM, SamplingParams
@@ -25,34 +25,6 @@ from nvllm.leader.server import MAX_FRAME_BYTES, EngineServer
 pytestmark = pytest.mark.e2e
 
 GREEDY = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
-
-
-def serve(llm: LLM) -> SimpleNamespace:
-    server = EngineServer(llm.engine)
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    return SimpleNamespace(llm=llm, server=server, endpoint=server.endpoint, stop=stop,
-                           thread=thread)
-
-
-def teardown(s: SimpleNamespace) -> None:
-    s.stop.set()
-    s.thread.join(30)
-    s.server.close()
-    s.llm.shutdown()
-
-
-def wait_idle(llm: LLM, timeout: float = 15.0) -> None:
-    """Until no request is left in the engine and every KV block is free again."""
-    kv = llm.engine.kv
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not llm.engine.requests and kv.num_free_blocks == kv.num_blocks:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {len(llm.engine.requests)} requests, "
-                         f"{kv.num_blocks - kv.num_free_blocks} blocks held")
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +208,56 @@ def test_hostile_frames_get_an_error_and_the_engine_keeps_serving(served, frame,
         assert (err["op"], err["id"], err["code"]) == ("error", rid, code), err
         assert err["message"]
         assert any(f": {code}: " in r.getMessage() for r in caplog.records), "not logged"
+        assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
+    wait_idle(served.llm)
+
+
+def _nested(depth: int) -> list:
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+# The issue's numbered hostile frames: (1) ~1 KB, a map whose "v" is 1,023 nested lists;
+# (2) one submit with n=64 and 1,000,000 stop_token_ids (~9 MB, under the 64 MiB frame
+# limit); (3) a submit whose id is 1 MiB. Under the default limits all three are beyond
+# msgpack's container limits (ClientLimits.unpack_options), so they never get decoded.
+HUGE_ID = "I" * (1 << 20)
+
+
+@pytest.mark.parametrize("frame,size", [
+    (_pack({"op": "ping", "v": _nested(1023)}), 1000),
+    (_pack({"op": "submit", "v": 1, "id": "s", "prompt": "x",
+            "params": {"n": 64, "stop_token_ids": [2**63 - 1] * 1_000_000}}), 9_000_000),
+    (_pack({"op": "submit", "v": 1, "id": HUGE_ID, "prompt": "x"}), 1 << 20),
+], ids=["1-deep-nesting", "2-million-stop-ids", "3-mib-id"])
+def test_numbered_hostile_frames_get_bad_frame_and_the_engine_keeps_serving(served, frame,
+                                                                          size, procs):
+    assert size <= len(frame) < size * 1.1 and len(frame) < served.server.max_frame_bytes
+    workers = served.llm.worker_pids
+    with RawClient(served.endpoint, timeout_s=60) as c:
+        c._sock.send(frame)
+        err = c.recv_map(time.monotonic() + 30)
+        assert (err["op"], err["id"], err["code"]) == ("error", None, "bad_frame"), err
+        assert len(err["message"]) < 200 and "IIII" not in err["message"]
+        assert c.health()["ready"]
+        assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
+    assert all(procs.pid_alive(p) for p in workers) and served.llm.worker_pids == workers
+    wait_idle(served.llm)
+
+
+def test_an_id_over_the_limit_is_named_and_never_echoed(served):
+    """(3), decodable: an id within msgpack's string limit but over max_request_id_bytes
+    gets invalid_request naming the limit, and the message never shows the id."""
+    limit = served.server.limits.max_request_id_bytes
+    rid = "J" * 60_000  # under max_str_len (2 * max_prompt_bytes + 1024), over the limit
+    with RawClient(served.endpoint, timeout_s=60) as c:
+        c.send_map({"op": "submit", "v": 1, "id": rid, "prompt": "x", "params": GREEDY})
+        err = c.recv_map(time.monotonic() + 30)
+        assert (err["op"], err["code"]) == ("error", "invalid_request"), err
+        assert err["id"] is None and f"longer than {limit} bytes" in err["message"]
+        assert "JJJJ" not in err["message"] and len(err["message"]) < 200
         assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
     wait_idle(served.llm)
 

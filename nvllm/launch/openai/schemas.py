@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Request
@@ -226,6 +227,28 @@ def screen(raw: Any, model: type[BodyT], *, trust_template: bool = False,
     return out
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a decoded body holds a string with a lone UTF-16 surrogate ("\\ud800" is
+    valid JSON, but not text: nothing downstream can encode it). Iterative."""
+    stack = [data]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            try:
+                o.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(o, dict):
+            stack.extend(o)
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+    return False
+
+
 def parse(raw: bytes, model: type[BodyT], *, trust_template: bool = False,
           allow_priority: bool = False) -> BodyT:
     """Bytes -> a validated body (CPU-bound: big bodies run it in a worker thread)."""
@@ -235,6 +258,9 @@ def parse(raw: bytes, model: type[BodyT], *, trust_template: bool = False,
         raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
     except ValueError as e:  # JSONDecodeError, NaN, an integer of over 4300 digits
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise ApiError(400, "the body is not valid JSON text: a string holds a lone UTF-16 "
+                            "surrogate escape", code="invalid_json")
     data = screen(data, model, trust_template=trust_template, allow_priority=allow_priority)
     try:
         return model.model_validate(data)
