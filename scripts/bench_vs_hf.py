@@ -86,9 +86,10 @@ def main() -> None:
                            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
                             for o in outs], use_tqdm=False)
         dt = time.perf_counter() - t0
+        idle = llm.engine.worker_idle_share  # (the engine goes with the `with`)
     assert sum(len(g.token_ids) for g in got) == n_out
     res["nvllm"] = {"s": dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt,
-                    "worker_idle_share": llm.engine.worker_idle_share}
+                    "worker_idle_share": idle}
     if args.nvllm_only:
         print(json.dumps(res, indent=2))
         print(f"nvllm {res['nvllm']['output_tok_s']:.1f} output tok/s; workers idle "
