@@ -85,6 +85,7 @@ Intended integration (leader -> workers plan path)
   ``python -m nvllm.common.transport --selftest-cuda``.
 """
 
+from nvllm.common.transport.reader import ArrayReader
 from nvllm.common.transport.refs import (
     CUDA,
     DTYPES,
@@ -98,7 +99,6 @@ from nvllm.common.transport.refs import (
     inline_ref,
 )
 from nvllm.common.transport.ring import (
-    ArrayReader,
     ArrayWriter,
     Reservation,
     TransportError,
