@@ -265,6 +265,7 @@ class AsyncClient:
         self._link = _Link()
         self._monitor = self._sock.get_monitor_socket(_LINK_EVENTS)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._ended: set[str] = set()  # requests already given their last message here
         self._control: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -302,20 +303,23 @@ class AsyncClient:
     def _deliver(self, rid: str, msg: Any) -> None:
         """Queue a message for its request; a caller that left max_buffered unread loses
         that request (aborted, with an error), never the others on this socket."""
-        queue = self._queues[rid]
-        if getattr(queue, "overflowed", False):
+        if rid in self._ended:
             return
         try:
-            queue.put_nowait(msg)
-            return
+            self._queues[rid].put_nowait(msg)
         except asyncio.QueueFull:
-            pass
-        while not queue.empty():
+            self._end(rid, cp.Error(rid, "client_overflow", f"the caller left "
+                                    f"{self.max_buffered} messages unread; request aborted"))
+            self._background(self._send(cp.encode(cp.Abort(rid)), best_effort=True))
+
+    def _end(self, rid: str, error: cp.Error) -> None:
+        """Give a request its last message here, client-side (nothing after it is kept);
+        what was queued before stays unless the queue is full."""
+        queue = self._queues[rid]
+        while queue.full():
             queue.get_nowait()
-        queue.overflowed = True
-        queue.put_nowait(cp.Error(rid, "client_overflow", f"the caller left "
-                                  f"{self.max_buffered} messages unread; request aborted"))
-        self._background(self._send(cp.encode(cp.Abort(rid)), best_effort=True))
+        queue.put_nowait(error)
+        self._ended.add(rid)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -335,7 +339,8 @@ class AsyncClient:
                     why = (f"lost the connection to the leader at {self.endpoint} for over "
                            f"{LINK_GRACE_S:g} s")
                     for rid in list(self._queues):
-                        self._deliver(rid, cp.Error(rid, "engine_unavailable", why))
+                        if rid not in self._ended:
+                            self._end(rid, cp.Error(rid, "engine_unavailable", why))
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _request(self, request: Any) -> dict:
@@ -384,6 +389,7 @@ class AsyncClient:
                 yield d
         finally:
             self._queues.pop(rid, None)
+            self._ended.discard(rid)
             if remaining:  # cancelled or abandoned: free the engine's work
                 await self._send(cp.encode(cp.Abort(rid)), best_effort=True)
 

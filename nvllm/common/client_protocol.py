@@ -18,13 +18,13 @@ import msgpack
 
 from nvllm.common.outputs import CompletionDelta
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.utils import INT64_MAX, is_int
 
 if TYPE_CHECKING:
     from nvllm.common.config import EngineConfig
 
 PROTOCOL_VERSION = 1
 MAX_DEPTH = 8  # the deepest a valid message nests (submit -> params -> stop -> str is 3)
-_INT64_MAX = 2**63 - 1
 PROMPT_BYTES_PER_TOKEN = 32  # max_prompt_bytes' default, per token of max_model_len
 
 # Error codes that mean a malformed or hostile frame (not a request the engine refused).
@@ -218,9 +218,6 @@ def encode(msg: Any) -> bytes:
 # ---- decoding what clients send --------------------------------------------------------
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
 
 def _depth_exceeds(obj: Any, limit: int) -> bool:
     """Whether containers nest deeper than `limit` (iterative: no recursion to exhaust)."""
@@ -255,14 +252,14 @@ def decode_client_frame(payload: bytes, limits: ClientLimits = DEFAULT_LIMITS) -
     if rid is not None:
         if not isinstance(rid, (str, int)) or isinstance(rid, bool):
             raise ClientProtocolError("invalid_request", "id must be a string or an integer")
-        if isinstance(rid, int) and not -_INT64_MAX - 1 <= rid <= _INT64_MAX:
+        if isinstance(rid, int) and not -INT64_MAX - 1 <= rid <= INT64_MAX:
             raise ClientProtocolError("invalid_request", "an integer id must fit in int64")
         if isinstance(rid, str) and len(rid.encode()) > limits.max_request_id_bytes:
             raise ClientProtocolError("invalid_request", f"id is longer than "
                                       f"{limits.max_request_id_bytes} bytes")
     version = msg.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
-        shown = (version if _is_int(version) and abs(version) < 2**31
+        shown = (version if is_int(version) and abs(version) < 2**31
                  else f"of type {_kind(version)}")
         raise ClientProtocolError("bad_version", f"protocol version {shown} is not "
                                                  f"{PROTOCOL_VERSION}", rid)
@@ -309,14 +306,14 @@ def _decode_submit(msg: dict, rid: RequestId | None, limits: ClientLimits) -> Su
         if len(ids) > limits.max_model_len:
             raise ClientProtocolError("rejected", f"prompt has {len(ids)} tokens, "
                                       f"max_model_len is {limits.max_model_len}", rid)
-        if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in ids):
+        if not all(is_int(t) and 0 <= t <= INT64_MAX for t in ids):
             raise ClientProtocolError("rejected", "a prompt token id is outside the "
                                       "vocabulary (token ids are integers from 0)", rid)
     stream = msg.get("stream", True)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a bool")
     priority = msg.get("priority") or 0
-    if not _is_int(priority) or not -_INT64_MAX - 1 <= priority <= _INT64_MAX:
+    if not is_int(priority) or not -INT64_MAX - 1 <= priority <= INT64_MAX:
         raise bad("'priority' must be an integer in int64")
     ttl_ms = msg.get("ttl_ms")
     if ttl_ms is not None and (not isinstance(ttl_ms, (int, float)) or isinstance(ttl_ms, bool)
@@ -328,7 +325,7 @@ def _decode_submit(msg: dict, rid: RequestId | None, limits: ClientLimits) -> Su
 def _check_param_sizes(raw: dict, limits: ClientLimits, bad: Any) -> None:
     """Sizes SamplingParams does not bound itself (its own checks name bad values)."""
     n = raw.get("n", 1)
-    if _is_int(n) and n > limits.max_n:
+    if is_int(n) and n > limits.max_n:
         raise bad(f"n is {n}, more than max_n {limits.max_n}")
     stop = raw.get("stop")
     if isinstance(stop, list):
@@ -346,7 +343,7 @@ def _check_param_sizes(raw: dict, limits: ClientLimits, bad: Any) -> None:
         if len(ids) > limits.max_stop_token_ids:
             raise bad(f"stop_token_ids has {len(ids)} ids, more than max_stop_token_ids "
                       f"{limits.max_stop_token_ids}")
-        if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in ids):
+        if not all(is_int(t) and 0 <= t <= INT64_MAX for t in ids):
             raise bad("stop_token_ids must be integers in [0, 2**63)")
     unknown = [k for k in raw if not isinstance(k, str)]
     if unknown:

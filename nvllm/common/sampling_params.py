@@ -6,7 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-_INT64_MAX = 2**63 - 1
+from nvllm.common.utils import INT64_MAX, is_int
+
 # Below this temperature, logits / T overflows float32: the sampler takes the argmax
 # (as vLLM does), so such requests are greedy.
 GREEDY_BELOW = 1e-5
@@ -41,9 +42,6 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why} (got {_shown(getattr(self, name))})")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         def is_num(v: Any) -> bool:
             return (isinstance(v, (int, float)) and not isinstance(v, bool)
                     and math.isfinite(v))
@@ -58,7 +56,7 @@ class SamplingParams:
             raise bad("top_k", "must be an integer; 0 or -1 disables it")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _INT64_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
             raise bad("seed", "must be None or an integer in [0, 2**63)")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from nvllm.common.errors import ProtocolError
+from nvllm.common.utils import is_int
 
 # Field type specs: "int", "float", "str", "bool", "any", "ints" (list of int),
 # "?int" (int or None), a message class (nested), or [cls] (list of nested).
@@ -152,9 +153,6 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb([msg.KIND, *_enc(msg)[:]], use_bin_type=True)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
 
 def _is_ref(r: Any) -> bool:
     from nvllm.common.transport.refs import ArrayRef, BadRef
@@ -168,8 +166,8 @@ def _is_ref(r: Any) -> bool:
 
 # Leaf field checks, by spec name (built once: _dec runs for every field of every frame).
 _CHECKS: dict[str, Any] = {
-    "int": _is_int,
-    "?int": lambda x: x is None or _is_int(x),
+    "int": is_int,
+    "?int": lambda x: x is None or is_int(x),
     "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
     "str": lambda x: isinstance(x, str),
     "bool": lambda x: isinstance(x, bool),
@@ -202,7 +200,7 @@ def decode(data: bytes, max_bytes: int = 1 << 30) -> Any:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"not a msgpack frame: {e}") from None
-    if not isinstance(obj, list) or not obj or not _is_int(obj[0]):
+    if not isinstance(obj, list) or not obj or not is_int(obj[0]):
         raise ProtocolError("frame is not [kind, ...]")
     cls = MESSAGES.get(obj[0])
     if cls is None:

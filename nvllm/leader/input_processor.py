@@ -15,6 +15,7 @@ from typing import Any
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import RequestRejected
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.utils import is_int
 from nvllm.leader.request import Request
 from nvllm.leader.sequence import Sequence
 
@@ -36,7 +37,7 @@ class InputProcessor:
                 ttl_ms: float | None = None) -> Request:
         """A request ready to admit, or RequestRejected saying which limit it breaks."""
         params = params or SamplingParams()
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not is_int(priority):
             raise RequestRejected(f"priority must be an integer, got {type(priority).__name__}")
         if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
                                    or isinstance(ttl_ms, bool) or not 0 < ttl_ms < math.inf):

@@ -187,7 +187,7 @@ def test_the_decoder_returns_a_message_or_a_protocol_error(frame):
     assert type(msg) in cp.CLIENT_MESSAGES
     if isinstance(msg, cp.Submit):  # what the decoder lets through fits every limit
         lim = cp.DEFAULT_LIMITS
-        assert type(msg.id) in (str, int) and msg.priority in range(*INT64)
+        assert type(msg.id) in (str, int) and INT64[0] <= msg.priority <= INT64[1]
         assert (msg.prompt is None) != (msg.prompt_token_ids is None)
         assert 1 <= msg.params.n <= lim.max_n
         assert len(msg.params.stop_token_ids or []) <= lim.max_stop_token_ids

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from nvllm.common.errors import NvllmError, ProtocolError
+from nvllm.common.utils import is_int
 
 # Step plans use SHM refs only (nvllm/common/plan_arrays.py). INLINE (a peer on another
 # host) and CUDA (GPU tensors by IPC handle) are kept, tested, for the GPU path and for
@@ -75,10 +76,6 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(slots=True)
 class ArrayRef:
     """A reference to one array: inline bytes, or a region of a shared ring. Treat as
@@ -112,7 +109,7 @@ class ArrayRef:
             raise BadRef(f"array ref: expected a list [kind, dtype, shape, ...], got "
                          f"{type(obj).__name__}")
         kind, dtype, shape = obj[0], obj[1], obj[2]
-        if not _is_int(kind) or kind not in KIND_NAMES:
+        if not is_int(kind) or kind not in KIND_NAMES:
             raise BadRef(f"array ref: unknown kind {kind!r}")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise BadRef(f"array ref: unknown dtype {dtype!r}")
@@ -144,10 +141,10 @@ class ArrayRef:
         buffer, offset, generation = obj[3], obj[4], obj[5]
         if not isinstance(buffer, str) or not BUFFER_NAME_RE.fullmatch(buffer):
             raise BadRef(f"array ref: {buffer!r} is not an nvllm transport buffer name")
-        if not _is_int(offset) or not 0 <= offset <= MAX_OFFSET or offset % itemsize:
+        if not is_int(offset) or not 0 <= offset <= MAX_OFFSET or offset % itemsize:
             raise BadRef(f"array ref: offset {offset!r} is not a non-negative multiple of "
                          f"{itemsize} (the {dtype} item size)")
-        if not _is_int(generation) or not 1 <= generation <= MAX_GENERATION:
+        if not is_int(generation) or not 1 <= generation <= MAX_GENERATION:
             raise BadRef(f"array ref: generation {generation!r} is not a positive int")
         return ArrayRef(kind, dtype, shape, buffer, offset, generation)
 
