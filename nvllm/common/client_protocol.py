@@ -10,6 +10,7 @@ Nothing is ever unpickled. docs/protocol.md documents these types (a test checks
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,7 +19,7 @@ import msgpack
 
 from nvllm.common.outputs import CompletionDelta
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.common.utils import INT64_MAX, is_int
+from nvllm.common.utils import INT64_MAX, is_int, shown
 
 if TYPE_CHECKING:
     from nvllm.common.config import EngineConfig
@@ -62,6 +63,7 @@ class ClientLimits:
                    config.max_n, config.max_stop_strings, config.max_stop_string_chars,
                    config.max_stop_token_ids)
 
+    @functools.cache  # noqa: B019 (frozen, hashable, a handful per process)
     def unpack_options(self) -> dict[str, int]:
         """msgpack's own container limits, about twice the field limits: a frame far
         beyond them fails to decode (bad_frame) before anything is built from it, one
@@ -231,11 +233,6 @@ def _depth_exceeds(obj: Any, limit: int) -> bool:
     return False
 
 
-def _kind(v: Any) -> str:
-    """How an error message shows a value it refused: its type, never its repr."""
-    return type(v).__name__
-
-
 def decode_client_frame(payload: bytes, limits: ClientLimits = DEFAULT_LIMITS) -> Any:
     """One client frame -> a typed request, or ClientProtocolError (code, message, id)."""
     try:
@@ -259,10 +256,8 @@ def decode_client_frame(payload: bytes, limits: ClientLimits = DEFAULT_LIMITS) -
                                       f"{limits.max_request_id_bytes} bytes")
     version = msg.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
-        shown = (version if is_int(version) and abs(version) < 2**31
-                 else f"of type {_kind(version)}")
-        raise ClientProtocolError("bad_version", f"protocol version {shown} is not "
-                                                 f"{PROTOCOL_VERSION}", rid)
+        raise ClientProtocolError("bad_version", f"protocol version {shown(version)} is "
+                                                 f"not {PROTOCOL_VERSION}", rid)
     op = msg.get("op")
     cls = _BY_OP.get(op) if isinstance(op, str) else None
     if cls is None:

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nvllm.common.utils import INT64_MAX, is_int
+from nvllm.common.utils import INT64_MAX, is_int, shown
 
 # Below this temperature, logits / T overflows float32: the sampler takes the argmax
 # (as vLLM does), so such requests are greedy.
@@ -40,7 +40,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}: {why} (got {_shown(getattr(self, name))})")
+            return ValueError(f"SamplingParams.{name}: {why} (got {shown(getattr(self, name))})")
 
         def is_num(v: Any) -> bool:
             return (isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -109,7 +109,9 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         unknown = [k for k in d if k not in cls.__dataclass_fields__]
         if unknown:
-            names = ", ".join(_shown(k) for k in unknown[:3])
+            # A field name is named; anything else a client sent as a key is not echoed.
+            names = ", ".join(repr(k) if isinstance(k, str) and k.isidentifier()
+                              and len(k) <= 40 else shown(k) for k in unknown[:3])
             raise ValueError(f"unknown sampling parameter(s): {names}"
                              + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""))
         return cls(**d)
@@ -118,13 +120,3 @@ class SamplingParams:
         d = self.to_dict()
         d.update(changes)
         return SamplingParams(**d)
-
-
-def _shown(v: Any) -> str:
-    """A value in an error message: short scalars as they are, anything else by its type
-    (messages go back to clients and into logs: never echo what a client sent)."""
-    if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and abs(v) < 2**64):
-        return repr(v)
-    if isinstance(v, str) and len(v) <= 40 and v.isprintable():
-        return repr(v)
-    return f"a {type(v).__name__}" + (f" of length {len(v)}" if hasattr(v, "__len__") else "")
