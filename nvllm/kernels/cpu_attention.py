@@ -13,6 +13,11 @@ them within their own byte budget. A sequence that does not fit reads its pages 
 reference path) until the budget has room for a copy again; both paths give the same
 values bit for bit, as ``attention`` runs the reference's own SDPA calls.
 
+Decoding sequences (one new token) that have a copy go to the native kernel
+(``cpu_ops``, ``csrc/cpu_decode_attention.cpp``) when it is built: one call per layer
+appends every such sequence's K/V to its copy and attends over it, where the SDPA path
+makes one call per sequence. Prefill runs, and sequences without a copy, stay on SDPA.
+
 The model runner owns one ``CpuKVStore``: ``views_for_step`` before each (micro-)batch,
 whose result it puts in ``AttentionMetadata.cpu_kv``, and ``drop`` when a sequence ends or
 is preempted. ``ops.attention`` sends a layer here when the metadata carries those views.
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from nvllm.common.utils import cdiv
-from nvllm.kernels import reference
+from nvllm.kernels import cpu_ops, reference
 from nvllm.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -35,17 +40,32 @@ MIN_CAPACITY = 64  # tokens: a new copy's smallest size (short prompts still dec
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """The step's decoding sequences that the native kernel serves, as the int64 vectors
+    it reads: each one's row in the step's tokens, its copy's address and capacity, and
+    its context length after this step. ``seqs`` are their indices in the step."""
+
+    seqs: list[int]
+    rows: torch.Tensor
+    bases: torch.Tensor
+    caps: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(slots=True)
 class StepViews:
     """One step's views into the copies, per sequence and layer: ``dst[i][l]`` is where
     this step's K/V go (``[2, kv_heads, n, d]``), ``keys[i][l]``/``values[i][l]`` what
-    attention reads (``[1, kv_heads, ctx, d]``). Sequences without a copy have None;
-    ``with_copy`` lists the ones that have one. Made once per step: slicing each copy
-    again in every layer cost a third of decode attention's time."""
+    attention reads (``[1, kv_heads, ctx, d]``). Sequences without a copy, and those in
+    ``decode`` (the kernel's), have None; ``with_copy`` lists the ones with views. Made
+    once per step: slicing each copy again in every layer cost a third of decode
+    attention's time."""
 
     dst: list[tuple[torch.Tensor, ...] | None]
     keys: list[tuple[torch.Tensor, ...] | None]
     values: list[tuple[torch.Tensor, ...] | None]
     with_copy: list[int]
+    decode: DecodeRows | None = None
 
 
 class CpuKVStore:
@@ -57,13 +77,20 @@ class CpuKVStore:
     entirely, so it stays on one path (the pages) rather than splitting across two.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, budget_bytes: int, max_model_len: int) -> None:
-        """kv_cache: the paged cache, ``[2, layers, num_blocks, block_size, kv_heads, d]``."""
+    def __init__(self, kv_cache: torch.Tensor, budget_bytes: int, max_model_len: int,
+                 native_decode: bool = True) -> None:
+        """kv_cache: the paged cache, ``[2, layers, num_blocks, block_size, kv_heads, d]``.
+        native_decode: send decoding sequences to the native kernel where it loads and
+        supports the shapes (float32 or bfloat16, <= 16 query heads per KV head,
+        head_dim <= 256)."""
         self.kv_cache = kv_cache
         self.budget_bytes = budget_bytes
         self.max_model_len = max_model_len
         self.nbytes = 0
         self.copies: dict[int, torch.Tensor] = {}
+        self.native_decode = (native_decode
+                              and kv_cache.dtype in (torch.float32, torch.bfloat16)
+                              and kv_cache.shape[-1] <= 256 and cpu_ops.load())
 
     def drop(self, seq_id: int) -> None:
         """Free a sequence's copy (it finished, was preempted, or lost its place)."""
@@ -78,20 +105,30 @@ class CpuKVStore:
         dst: list[tuple[torch.Tensor, ...] | None] = []
         keys: list[tuple[torch.Tensor, ...] | None] = []
         values: list[tuple[torch.Tensor, ...] | None] = []
-        with_copy = []
+        with_copy: list[int] = []
+        dec: list[list[int]] = [[], [], [], [], []]  # seqs, rows, bases, caps, lens
+        row = 0
         for i, (sid, table, n, ctx) in enumerate(zip(seq_ids, block_tables, query_lens,
                                                      context_lens)):
             buf = self._copy_for(sid, table, ctx - n, ctx)
-            if buf is None:
+            if buf is None or (n == 1 and self.native_decode):
+                if buf is not None:
+                    for col, x in zip(dec, (i, row, buf.data_ptr(), buf.shape[3], ctx)):
+                        col.append(x)
                 dst.append(None)
                 keys.append(None)
                 values.append(None)
-                continue
-            with_copy.append(i)
-            dst.append(buf[:, :, :, ctx - n:ctx].unbind(0))
-            keys.append(buf[:, 0:1, :, :ctx].unbind(0))
-            values.append(buf[:, 1:2, :, :ctx].unbind(0))
-        return StepViews(dst, keys, values, with_copy)
+            else:
+                with_copy.append(i)
+                dst.append(buf[:, :, :, ctx - n:ctx].unbind(0))
+                keys.append(buf[:, 0:1, :, :ctx].unbind(0))
+                values.append(buf[:, 1:2, :, :ctx].unbind(0))
+            row += n
+        decode = None
+        if dec[0]:
+            rows, bases, caps, lens = (torch.tensor(c, dtype=torch.long) for c in dec[1:])
+            decode = DecodeRows(dec[0], rows, bases, caps, lens)
+        return StepViews(dst, keys, values, with_copy, decode)
 
     def _copy_for(self, seq_id: int, block_table: list[int], done: int,
                   end: int) -> torch.Tensor | None:
@@ -146,4 +183,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             return keys[i][layer], values[i][layer]
         return reference.gather_kv(k_cache, v_cache, meta, i)
 
-    return reference.attend_runs(q, meta, scale, kv_of, lens)
+    dec = views.decode
+    if dec is None:
+        return reference.attend_runs(q, meta, scale, kv_of, lens)
+    out = torch.empty_like(q)
+    cpu_ops.decode_attention(out, q, k, v, dec.rows, dec.bases, dec.caps, dec.lens, layer,
+                             scale)
+    if len(dec.seqs) < meta.num_seqs:
+        native = set(dec.seqs)
+        for i in range(meta.num_seqs):
+            if i not in native and lens[i]:
+                a, b = cu[i], cu[i + 1]
+                ki, vi = kv_of(i)
+                o = reference.attend_run(q[a:b].transpose(0, 1).unsqueeze(0), ki, vi,
+                                         meta.seq_lens_host[i], scale)
+                out[a:b] = o[0].transpose(0, 1)
+    return out

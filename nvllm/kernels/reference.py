@@ -64,30 +64,33 @@ def attend_runs(q: torch.Tensor, meta: AttentionMetadata, scale: float,
     qs = q.transpose(0, 1).unsqueeze(0).split(lens, dim=2)
     outs = []
     for i, ctx in enumerate(meta.seq_lens_host):
-        n = lens[i]
-        if n == 0:
+        if lens[i] == 0:
             continue
         ki, vi = kv_of(i)
-        # enable_gqa reads each KV head once for its query group instead of materializing
-        # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
-        gqa = q.shape[1] != ki.shape[1]
-        if n == 1:
-            outs.append(F.scaled_dot_product_attention(qs[i], ki, vi, scale=scale,
-                                                       enable_gqa=gqa))
-            continue
-        qi = qs[i].contiguous()  # a head-major copy: ~15% faster prefill attention
-        if n == ctx:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-        else:
-            pos_q = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
-        outs.append(o)
+        outs.append(attend_run(qs[i], ki, vi, ctx, scale))
     if not outs:
         return torch.empty_like(q)
     return torch.cat(outs, dim=2)[0].transpose(0, 1)  # [T, H, d]
+
+
+def attend_run(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, ctx: int,
+               scale: float) -> torch.Tensor:
+    """SDPA of one sequence's n queries ([1, H, n, d], the last n of its ctx positions)
+    over its K/V ([1, kv_heads, ctx, d] each); returns [1, H, n, d]."""
+    n = qi.shape[2]
+    # enable_gqa reads each KV head once for its query group instead of materializing
+    # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
+    gqa = qi.shape[1] != ki.shape[1]
+    if n == 1:
+        return F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=gqa)
+    qi = qi.contiguous()  # a head-major copy: ~15% faster prefill attention
+    if n == ctx:
+        return F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    pos_q = torch.arange(ctx - n, ctx, device=qi.device)
+    mask = torch.arange(ctx, device=qi.device)[None, :] <= pos_q[:, None]
+    return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                          enable_gqa=gqa)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

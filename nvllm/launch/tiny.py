@@ -73,6 +73,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-sharded": {"arch": "qwen3", "head_dim": 32, "shard_size": "100KB"},
 }
 
+# Benchmark checkpoints: too big to build inside tests (seconds, tens of MB), same
+# generator. qwen3-36m is the Qwen3-shaped model the vLLM comparison runs on
+# (scripts/bench_vs_vllm.py, scripts/serve_vs_vllm.sh); its tokenizer names every id of
+# the vocabulary, so the text a server streams has one piece per sampled token.
+BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-36m": {
+        "arch": "qwen3", "vocab_size": 16000, "hidden_size": 512, "intermediate_size": 1408,
+        "num_hidden_layers": 10, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 2048,
+        "full_vocab_tokenizer": True,
+    },
+}
+ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **BENCH_PRESETS}
+
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,7 +174,7 @@ how many days do you have? I can suggest places to stay, things to see and food 
 """
 
 
-def _build_tokenizer(model_vocab_size: int, model_max_length: int):
+def _build_tokenizer(model_vocab_size: int, model_max_length: int, full_vocab: bool = False):
     """Byte-level BPE trained on _CORPUS, wrapped as a PreTrainedTokenizerFast.
 
     Byte-level means every UTF-8 string round-trips through encode/decode, including
@@ -195,6 +209,8 @@ def _build_tokenizer(model_vocab_size: int, model_max_length: int):
     # counts with a deterministic tie-break, so the result is identical across processes.
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
     assert tok.get_vocab_size() <= model_vocab_size
+    if full_vocab:
+        tok = _extend_vocab(tok, model_vocab_size)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS_TOKEN,
@@ -207,6 +223,19 @@ def _build_tokenizer(model_vocab_size: int, model_max_length: int):
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
+
+
+def _extend_vocab(tok, size: int):
+    """tok with vocabulary entries added up to `size` ids (see _build_tokenizer)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    # "\u0120" is the byte-level alphabet's space: these decode to " w<id>".
+    vocab.update({f"\u0120w{i}": i for i in range(tok.get_vocab_size(), size)})
+    return Tokenizer.from_str(json.dumps(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,11 +355,13 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     shard_size: str | None = None,
+    full_vocab_tokenizer: bool = False,
 ) -> pathlib.Path:
     """Write a random HF checkpoint plus tokenizer to ``path`` and return it.
 
     Deterministic: the same arguments produce byte-identical safetensors.  ``path`` is
     created if needed; existing files with the same names are overwritten.
+    full_vocab_tokenizer: the tokenizer names every model id (see _build_tokenizer).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -341,7 +372,7 @@ def make_tiny_checkpoint(
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
+    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings, full_vocab_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
 
     kwargs: dict[str, Any] = dict(
@@ -436,8 +467,8 @@ def ensure_tiny_checkpoint(
     written to a temporary sibling directory and renamed into place, so concurrent callers
     (pytest-xdist workers, several ranks) either see a complete checkpoint or none.
     """
-    if name not in PRESETS:
-        raise KeyError(f"unknown tiny preset {name!r}; choose from {sorted(PRESETS)}")
+    if name not in ALL_PRESETS:
+        raise KeyError(f"unknown tiny preset {name!r}; choose from {sorted(ALL_PRESETS)}")
     root = pathlib.Path(root) if root is not None else _default_root()
     target = root / name
     if (target / "config.json").exists():
@@ -445,7 +476,7 @@ def ensure_tiny_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
-        make_tiny_checkpoint(tmp, **PRESETS[name])
+        make_tiny_checkpoint(tmp, **ALL_PRESETS[name])
         try:
             # rename of a directory is atomic on POSIX and fails if target exists non-empty.
             os.rename(tmp, target)
@@ -464,9 +495,10 @@ def ensure_tiny_checkpoint(
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="qwen3",
-              help="The preset to build.")
-@click.option("--all", "all_presets", is_flag=True, help="Build every preset.")
+@click.option("--preset", type=click.Choice(sorted(ALL_PRESETS)), default="qwen3",
+              help="The preset to build (qwen3-36m: the benchmarks' 36M-parameter model).")
+@click.option("--all", "all_presets", is_flag=True,
+              help="Build every preset the tests use (not the benchmark ones).")
 @click.option("--out", default=None,
               help="Root directory (default: $NVLLM_TINY_DIR or ~/.cache/nvllm/tiny); each "
                    "preset goes to OUT/NAME and is reused if it already exists.")

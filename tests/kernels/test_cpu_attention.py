@@ -1,20 +1,39 @@
 """The CPU attention backend (contiguous per-sequence K/V copies) against the reference
-(paged gather + SDPA), bit for bit, over multi-step runs of ragged batches."""
+(paged gather + SDPA) over multi-step runs of ragged batches: bit for bit on the SDPA
+path, within float rounding where the native decode kernel (cpu_ops) serves decoding
+sequences."""
 
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nvllm.common.utils import cdiv
-from nvllm.kernels import cpu_attention, ops, reference
+from nvllm.kernels import cpu_attention, cpu_ops, ops, reference
 from nvllm.kernels.cpu_attention import MIN_CAPACITY, CpuKVStore
 from nvllm.kernels.metadata import build_metadata
 
 LAYERS, HEAD_DIM, SCALE = 2, 8, 0.35
+
+# The native kernel where it builds (every CI machine has a compiler: see
+# test_native_ops_build), else only the SDPA path.
+NATIVE = [pytest.param(False, id="sdpa"),
+          pytest.param(True, id="native", marks=pytest.mark.skipif(
+              not cpu_ops.load(), reason="nvllm's CPU ops are not built"))]
+
+
+def _assert_close(out: torch.Tensor, want: torch.Tensor, native: bool, where: str) -> None:
+    if not native:
+        assert torch.equal(out, want), where
+    elif out.dtype == torch.bfloat16:  # float32 sums, one rounding: within a bf16 step
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=where)
+    else:
+        torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5, msg=where)
 
 
 @dataclass
@@ -44,7 +63,8 @@ def _copy_bytes(cap: int, kv_heads: int, dtype: torch.dtype) -> int:
 
 
 def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: int = 4,
-         seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+         seed: int = 0, dtype: torch.dtype = torch.float32,
+         native: bool = False) -> dict[str, int]:
     """Runs every step through the CPU backend and the reference (each on its own paged
     cache) and asserts equal outputs and caches; returns what the store went through."""
     g = torch.Generator().manual_seed(seed)
@@ -67,8 +87,9 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
             reference.store_kvcache(k, v, paged[0, layer], paged[1, layer], slots)
     ref_cache = paged.clone()
     max_len = max(s.total for s in seqs)
-    store = CpuKVStore(paged, budget, max_len)
-    seen = dict(mixed_steps=0, grown=0, built=0, lost=0)
+    store = CpuKVStore(paged, budget, max_len, native_decode=native)
+    assert store.native_decode == native
+    seen = dict(mixed_steps=0, grown=0, built=0, lost=0, native=0)
     ids = {id(s): i for i, s in enumerate(seqs)}
     step = 0
     while any(s.done < s.total for s in seqs):
@@ -84,7 +105,9 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
         meta.cpu_kv = store.views_for_step([ids[id(s)] for s in batch],
                                            [s.table for s in batch], lens, ctxs)
         assert store.nbytes <= budget
-        with_copy = set(meta.cpu_kv.with_copy)
+        dec = meta.cpu_kv.decode
+        with_copy = set(meta.cpu_kv.with_copy) | set(dec.seqs if dec else ())
+        seen["native"] += len(dec.seqs) if dec else 0
         seen["mixed_steps"] += 0 < len(with_copy) < len(batch)
         for j, s in enumerate(batch):
             i = ids[id(s)]
@@ -106,7 +129,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
                                     plain.slot_mapping)
             want = reference.paged_attention(q, ref_cache[0, layer], ref_cache[1, layer],
                                              plain, SCALE)
-            assert torch.equal(out, want), f"step {step} layer {layer}: lens {lens} ctx {ctxs}"
+            _assert_close(out, want, native, f"step {step} layer {layer}: lens {lens} ctx {ctxs}")
         for s, n in zip(batch, lens):
             s.done += n
             if s.done == s.total:
@@ -119,6 +142,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
             assert torch.equal(buf[:, :, :, :s.done], pages.permute(1, 0, 3, 2, 4))
     assert torch.equal(paged.nan_to_num(), ref_cache.nan_to_num())
     assert store.nbytes == 0 and not store.copies
+    assert (seen["native"] > 0) == native
     return seen
 
 
@@ -126,20 +150,22 @@ GQA = [(4, 4), (4, 2), (4, 1)]
 ROOMY = 1 << 30
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("heads,kv_heads", GQA)
-def test_decode(heads, kv_heads):
+def test_decode(heads, kv_heads, native):
     # Whole prompts cached in the pages but the last token: each copy is built from them.
     seqs = [Seq(prefix=p - 1, prompt=p, decode=d) for p, d in
             ((1, 3), (5, 4), (9, 2), (16, 5), (30, 3), (4, 1))]
-    seen = _run(seqs, heads, kv_heads, ROOMY, seed=heads + kv_heads)
+    seen = _run(seqs, heads, kv_heads, ROOMY, seed=heads + kv_heads, native=native)
     assert seen["built"] == 5  # all but the one-token prompt
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefill_then_decode(heads, kv_heads, block_size):
+def test_prefill_then_decode(heads, kv_heads, block_size, native):
     seqs = [Seq(0, p, 3, arrive=a) for p, a in ((7, 0), (1, 0), (16, 1), (33, 0), (5, 2))]
-    _run(seqs, heads, kv_heads, ROOMY, block_size, seed=10 * heads + kv_heads)
+    _run(seqs, heads, kv_heads, ROOMY, block_size, seed=10 * heads + kv_heads, native=native)
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
@@ -158,8 +184,9 @@ def test_growth_by_doubling(heads, kv_heads):
     assert seen["grown"] >= 3 and seen["lost"] == 0
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_budget_running_out_mid_run(dtype):
+def test_budget_running_out_mid_run(dtype, native):
     """Room for about two minimal copies: sequences take copies, lose them when growing
     would overrun, read their pages meanwhile, and rebuild copies from the pages once
     others finish."""
@@ -167,7 +194,7 @@ def test_budget_running_out_mid_run(dtype):
     budget = int(2.5 * _copy_bytes(MIN_CAPACITY, kv_heads, dtype))
     seqs = [Seq(0, 40, 30, chunk=16), Seq(20, 50, 25, chunk=7), Seq(0, 9, 12, arrive=1),
             Seq(30, 31, 60, arrive=2), Seq(0, 5, 4, arrive=20), Seq(2, 70, 3, arrive=25)]
-    seen = _run(seqs, 4, kv_heads, budget, seed=7, dtype=dtype)
+    seen = _run(seqs, 4, kv_heads, budget, seed=7, dtype=dtype, native=native)
     assert seen["mixed_steps"] > 0 and seen["lost"] > 0 and seen["built"] > 0
     assert seen["grown"] > 0
 
@@ -178,8 +205,9 @@ def test_no_budget_reads_pages():
     assert seen["built"] == seen["grown"] == 0
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("seed", range(4))
-def test_random_ragged_runs(seed):
+def test_random_ragged_runs(seed, native):
     rng = random.Random(seed)
     heads, kv_heads = rng.choice(GQA)
     seqs = []
@@ -189,12 +217,12 @@ def test_random_ragged_runs(seed):
                         chunk=rng.randint(1, 32), arrive=rng.randint(0, 6)))
     budget = rng.choice([ROOMY, int(rng.uniform(1, 4) * _copy_bytes(MIN_CAPACITY, kv_heads,
                                                                      torch.float32))])
-    _run(seqs, heads, kv_heads, budget, rng.choice([4, 16]), seed=seed)
+    _run(seqs, heads, kv_heads, budget, rng.choice([4, 16]), seed=seed, native=native)
 
 
 def test_store_capacity_and_bytes():
     paged = torch.zeros(2, LAYERS, 40, 4, 2, HEAD_DIM)
-    store = CpuKVStore(paged, ROOMY, max_model_len=150)
+    store = CpuKVStore(paged, ROOMY, max_model_len=150, native_decode=False)
     views = store.views_for_step([7], [list(range(40))], [10], [10])
     assert views.with_copy == [0] and store.copies[7].shape == (LAYERS, 2, 2, 64, HEAD_DIM)
     store.views_for_step([7], [list(range(40))], [1], [65])
@@ -214,3 +242,43 @@ def test_uses_cpu_attention():
     assert not ops.uses_cpu_attention("triton", cpu, True)
     assert not ops.uses_cpu_attention("torch", cuda, True)
     assert cpu_attention.attention.__module__ == "nvllm.kernels.cpu_attention"
+
+
+def test_native_ops_build():
+    """Where a C++ compiler exists (CI's machines), the native ops must build and load:
+    otherwise every CPU run silently takes the slow path."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert cpu_ops.load(), f"could not build or load {cpu_ops.library_path()}"
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 32), (16, 1, 128),
+                                              (6, 2, 80)])
+def test_native_decode_kernel(dtype, heads, kv_heads, d):
+    """The kernel alone: a subset of a step's rows, K/V taken from a strided view (as the
+    fused qkv projection hands them over), appended at each sequence's last position."""
+    g = torch.Generator().manual_seed(heads * d)
+    lens = [1, 7, 64, 300, 33]
+    layers, layer = 3, 1
+    bufs = [torch.randn(layers, 2, kv_heads, n + 5, d, generator=g).to(dtype) for n in lens]
+    tokens = len(lens) + 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q = qkv[:, :heads * d].reshape(tokens, heads, d).contiguous()
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    rows = [0, 2, 3, 5, 6]  # rows 1 and 4 belong to other sequences: left alone
+    out = torch.full_like(q, 7.0)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    cpu_ops.decode_attention(out, q, k, v, as_long(rows), as_long([b.data_ptr() for b in bufs]),
+                             as_long([b.shape[3] for b in bufs]), as_long(lens), layer, 0.3)
+    for b, (row, n) in enumerate(zip(rows, lens)):
+        kv = bufs[b][layer, :, :, :n]
+        assert torch.equal(kv[0, :, n - 1], k[row]) and torch.equal(kv[1, :, n - 1], v[row])
+        want = F.scaled_dot_product_attention(
+            q[row].float()[None, :, None], kv[0:1].float(), kv[1:2].float(), scale=0.3,
+            enable_gqa=True)[0, :, 0]
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[row].float(), want, atol=tol, rtol=tol)
+    assert torch.all(out[[1, 4]] == 7.0)

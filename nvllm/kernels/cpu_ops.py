@@ -1,0 +1,107 @@
+"""Native CPU ops (``csrc/``), compiled once per machine with ``torch.utils.cpp_extension``.
+
+Why native code: decode attention over a batch of sequences of different lengths has no
+single torch call on CPU, and a Python loop of per-sequence SDPA calls spends more time
+in dispatch than in arithmetic (``csrc/cpu_decode_attention.cpp`` says by how much).
+
+``scripts/install.sh`` builds the library (``python -m nvllm.kernels.cpu_ops``); a worker
+that finds it missing builds it on first use (about 10 s, under torch's file lock, so
+ranks starting together build it once). It is compiled for this machine's CPU
+(``-march=native``), so its folder is keyed by the source, the flags, torch's version and
+the CPU's feature flags. Without a compiler, or with ``NVLLM_CPU_OPS=0``, ``load()``
+returns False and attention runs the per-sequence SDPA path: same results within float
+rounding, slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NAME = "nvllm_cpu_ops"
+SOURCES = [pathlib.Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"]
+# -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
+# computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-lmvec", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> pathlib.Path:
+    """Where this machine's build lives: ``$NVLLM_EXT_DIR`` or ``~/.cache/nvllm/ext``."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    root = os.environ.get("NVLLM_EXT_DIR") or pathlib.Path.home() / ".cache" / "nvllm" / "ext"
+    return pathlib.Path(root) / f"{NAME}-{h.hexdigest()[:16]}"
+
+
+def library_path() -> pathlib.Path:
+    return build_dir() / f"{NAME}.so"
+
+
+def build(verbose: bool = False) -> pathlib.Path:
+    """Compile the library (a no-op when it is already built); returns its path."""
+    from torch.utils import cpp_extension
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS, build_directory=str(d), is_python_module=False,
+                       verbose=verbose)
+    return library_path()
+
+
+@functools.cache
+def load() -> bool:
+    """Whether ``torch.ops.nvllm_cpu`` is usable in this process (building it if needed)."""
+    if os.environ.get("NVLLM_CPU_OPS", "1") == "0":
+        return False
+    path = library_path()
+    try:
+        if not path.exists():
+            logger.info("building nvllm's CPU ops in %s (once per machine)", path.parent)
+            build()
+        torch.ops.load_library(str(path))
+        return True
+    except Exception as e:  # no compiler, no headers, a foreign .so: run without them
+        logger.warning("nvllm's CPU ops are not available, attention runs per sequence "
+                       "(slower): %s. Build them with: python -m nvllm.kernels.cpu_ops", e)
+        return False
+
+
+def decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
+                     v_new: torch.Tensor, rows: torch.Tensor, bases: torch.Tensor,
+                     caps: torch.Tensor, lens: torch.Tensor, layer: int, scale: float) -> None:
+    """See csrc/cpu_decode_attention.cpp; only after load() returned True."""
+    torch.ops.nvllm_cpu.decode_attention(out, q, k_new, v_new, rows, bases, caps, lens,
+                                         layer, scale)
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        print(build(verbose="-v" in sys.argv))
+    except Exception as e:
+        sys.exit(f"could not build nvllm's CPU ops ({e}); nvllm runs without them, slower")
