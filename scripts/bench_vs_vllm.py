@@ -40,7 +40,8 @@ def run_nvllm(args, prompts, outs) -> dict:
     from nvllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    with LLM(args.model, device="cpu", dtype=args.dtype) as llm:
+    extra = {"cpu_threads": args.nvllm_threads} if args.nvllm_threads else {}
+    with LLM(args.model, device="cpu", dtype=args.dtype, **extra) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
         start = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -80,7 +81,8 @@ def spawn(engine: str, python: str, args, dtype: str) -> dict:
     cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--model", args.model,
            "--num-seqs", str(args.num_seqs), "--seed", str(args.seed),
            "--vocab", str(args.vocab), "--max-model-len", str(args.max_model_len),
-           "--input", *map(str, args.input), "--output", *map(str, args.output)]
+           "--input", *map(str, args.input), "--output", *map(str, args.output),
+           "--nvllm-threads", str(args.nvllm_threads)]
     if engine == "vllm":
         sys.path.insert(0, str(HERE))
         from vllm_peer import peer_env
@@ -147,6 +149,8 @@ def main() -> None:
     ap.add_argument("--output", type=int, nargs=2, default=(32, 192))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", help="checkpoint folder (default: the qwen3-36m tiny preset)")
+    ap.add_argument("--nvllm-threads", type=int, default=0,
+                    help="nvllm's torch threads per worker (default: automatic)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine run")
     ap.add_argument("--json", help="also write every run's figures here")
     # Set by the parent for its children.

@@ -131,6 +131,9 @@ class EngineConfig:
     cpu_onednn_linear: bool = _setting(
         True, "CPU, float32: linear weights packed in oneDNN's layout (faster at decode "
               "sizes).")
+    cpu_threads: int = _setting(
+        0, "CPU: torch threads per worker (0: the machine's cores divided among the "
+           "workers on it).")
     cpu_malloc_reuse: bool = _setting(
         True, "CPU: glibc malloc keeps freed memory mapped, so each step's activations "
               "reuse pages instead of faulting in fresh ones.")
@@ -222,6 +225,8 @@ class EngineConfig:
                 f"num_key_value_heads={kv} and tensor_parallel_size={tp}: one must divide "
                 "the other"
             )
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0 (0: automatic), got {self.cpu_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is None:

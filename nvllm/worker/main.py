@@ -193,7 +193,8 @@ def run_worker(spec: dict) -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.get("local_world_size", world)))
+        torch.set_num_threads(config.cpu_threads or max(
+            1, (os.cpu_count() or 1) // spec.get("local_world_size", world)))
         if config.cpu_malloc_reuse:
             keep_freed_memory()
     torch.manual_seed(config.seed)
