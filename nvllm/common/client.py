@@ -26,6 +26,7 @@ from nvllm.common import client_protocol as cp
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.trace import Tracer
 from nvllm.common.zmq_utils import curve_client
 
 PING_INTERVAL_S = 1.0
@@ -253,8 +254,11 @@ class AsyncClient:
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
                  curve_key_dir: str | os.PathLike | None = None,
-                 max_buffered: int = MAX_BUFFERED) -> None:
+                 max_buffered: int = MAX_BUFFERED, trace: Tracer | None = None) -> None:
+        """`trace`: record every ``output`` message as it is decoded (``out_recv``, see
+        nvllm/common/trace.py)."""
         self.endpoint = endpoint
+        self.trace = trace
         self.timeout_s = timeout_s
         self.max_buffered = max_buffered
         self._ctx = zmq.asyncio.Context()
@@ -288,6 +292,8 @@ class AsyncClient:
             msg = cp.decode_server_frame(await self._sock.recv())
             if msg is None:
                 continue  # undecodable: one bad frame must not stop the reader
+            if self.trace is not None and isinstance(msg, cp.Output):
+                self.trace.message("out_recv", msg.id, msg.index, msg.finish_reason is not None)
             rid = getattr(msg, "id", None)
             if rid is not None and str(rid) in self._queues:
                 self._deliver(str(rid), msg)

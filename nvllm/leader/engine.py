@@ -192,8 +192,10 @@ class LLMEngine:
         result = self.executor.recv_result(step.step_id, step.sched.sampling_seq_ids,
                                            step.generation, cancelled)
         updates = self.scheduler.update_from_output(step.sched, result)
+        first = len(out.deltas)
         for seq in self.output_processor.process(updates, out):
             self.scheduler.finish(seq, "stop")  # a stop string ended it
+        out.steps.append((first, len(out.deltas), step.step_id))
         self._inflight.popleft()
         self.last_step = StepStats(step.step_id, step.sched.num_batched_tokens,
                                    step.plan_bytes, result.worker_time_s)

@@ -26,10 +26,23 @@ from nvllm.leader.sequence import Sequence
 class EngineOutput:
     deltas: list[CompletionDelta] = field(default_factory=list)
     finished: list[RequestOutput] = field(default_factory=list)  # whole requests
+    # (first, end, step id) per worker result applied into this output: deltas[first:end]
+    # are that step's (for the trace, nvllm/common/trace.py).
+    steps: list[tuple[int, int, int]] = field(default_factory=list)
 
     def extend(self, other: EngineOutput) -> None:
+        base = len(self.deltas)
+        self.steps += [(a + base, b + base, s) for a, b, s in other.steps]
         self.deltas += other.deltas
         self.finished += other.finished
+
+    def step_of(self, k: int) -> int | None:
+        """The step whose result produced delta `k`; None for one no result made (an
+        abort's, a timeout's)."""
+        for first, end, step in self.steps:
+            if first <= k < end:
+                return step
+        return None
 
 
 class OutputProcessor:

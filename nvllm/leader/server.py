@@ -24,10 +24,12 @@ from typing import Any
 import zmq
 
 from nvllm.common import client_protocol as cp
+from nvllm.common import trace
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
-from nvllm.common.outputs import CompletionAccumulator, CompletionDelta
+from nvllm.common.outputs import CompletionAccumulator
 from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
 from nvllm.leader.engine import LLMEngine
+from nvllm.leader.output_processor import EngineOutput
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class EngineServer:
         self._tokenizer: Any = None  # a copy: fast tokenizers are not shared across threads
         self._cancelled: Any = None  # serve() sets it: a step waits no longer than this says
         self._abandoned = False  # shutdown gave up on a step in flight
+        self._trace = trace.tracer("leader")  # None unless $NVLLM_TRACE is set
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -278,19 +281,21 @@ class EngineServer:
                 self._owners.pop(internal, None)
                 self._by_client[owner.client].pop(owner.client_rid, None)
             elif owner.aborted:
-                self._emit(self.engine.abort_request(internal).deltas)
+                self._emit(self.engine.abort_request(internal))
 
     def _abort(self, internal: str) -> None:
         owner = self._owners.get(internal)
         if internal in self._tokenizing and owner is not None:
             owner.aborted = True  # ends as soon as it is admitted, with its final messages
         else:
-            self._emit(self.engine.abort_request(internal).deltas)
+            self._emit(self.engine.abort_request(internal))
 
     # ---- outputs -----------------------------------------------------------------------
 
-    def _emit(self, deltas: list[CompletionDelta]) -> None:
-        for d in deltas:
+    def _emit(self, out: EngineOutput) -> None:
+        """Send `out`'s deltas to their clients (streams: each as it comes; otherwise
+        each completion whole, once it finishes)."""
+        for k, d in enumerate(out.deltas):
             owner = self._owners.get(d.request_id)
             if owner is None:
                 continue
@@ -299,10 +304,14 @@ class EngineServer:
             else:
                 acc = owner.pending.setdefault(d.index, CompletionAccumulator(d.index))
                 acc.add(d)
-                if acc.finished:
-                    del owner.pending[d.index]
-                    self._send(owner.client, cp.Output.of(acc.to_delta(d.request_id),
-                                                          owner.client_rid))
+                if not acc.finished:
+                    continue
+                del owner.pending[d.index]
+                self._send(owner.client, cp.Output.of(acc.to_delta(d.request_id),
+                                                      owner.client_rid))
+            if self._trace is not None:
+                self._trace.message("out_sent", owner.client_rid, d.index,
+                                    d.finish_reason is not None, step=out.step_of(k))
             if d.finish_reason is not None:
                 owner.remaining -= 1
                 if owner.remaining == 0:
@@ -392,7 +401,7 @@ class EngineServer:
                 self._error(owner.client, msg.id, "engine_unavailable",
                             "the engine is shutting down")
         for rid in list(self.engine.requests):
-            self._emit(self.engine.abort_request(rid).deltas)
+            self._emit(self.engine.abort_request(rid))
         self._drain(0)
         deadline = time.monotonic() + FLUSH_ON_CLOSE_S  # final messages get out, boundedly
         while self._outbox and time.monotonic() < deadline:
@@ -407,11 +416,11 @@ class EngineServer:
             return
         try:
             if self.engine.has_unfinished_requests():
-                self._emit(self.engine.step(self._cancelled).deltas)
+                self._emit(self.engine.step(self._cancelled))
             elif swept:
                 # Idle: a worker death (or, with restart_workers, its recovery) must not
                 # wait for the next request; health answers the truth meanwhile.
-                self._emit(self.engine.check_workers().deltas)
+                self._emit(self.engine.check_workers())
         except EngineDeadError as e:
             self._fail_everything(str(e))
         except KeyboardInterrupt:  # shutdown's deadline passed while the workers hung

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from nvllm.common import worker_protocol
+from nvllm.common import trace, worker_protocol
 from nvllm.common.errors import EngineDeadError, ProtocolError
 from nvllm.common.zmq_utils import (
     bind_ipc,
@@ -183,6 +183,7 @@ class WorkerGroupClient:
         self.liveness_check: Callable[[], dict[int, str]] = dict
         self.dead: str | None = None
         self._closed = False
+        self._trace = trace.tracer("leader")  # None unless $NVLLM_TRACE is set
 
     @property
     def heartbeat_endpoint(self) -> str:
@@ -241,6 +242,8 @@ class WorkerGroupClient:
                 except ProtocolError as e:
                     logger.error("dropping malformed frame from a worker: %s", e)
                     continue
+                if self._trace is not None and isinstance(msg, worker_protocol.StepResult):
+                    self._trace.event("result_recv", step=msg.step_id)
                 if isinstance(msg, worker_protocol.WorkerError):
                     error = (f"worker rank {msg.rank} failed at step {msg.step_id}: "
                              f"{msg.message}\n{msg.traceback}")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from nvllm.common import plan_arrays, worker_protocol
+from nvllm.common import plan_arrays, trace, worker_protocol
 from nvllm.common.config import EngineConfig, ModelInfo
 from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
@@ -216,6 +216,7 @@ def run_worker(spec: dict) -> None:
     hb.start()
     step_id = 0
     reader = None
+    tr = trace.tracer("worker") if rank == 0 else None  # rank 0 sends the results
     arrays = ArrayReader()  # maps the leader's plan ring (read-only) on first use
     try:
         if world > 1:
@@ -250,7 +251,10 @@ def run_worker(spec: dict) -> None:
                         rank, step_id, f"invalid plan: {e}", "")))
                     continue
                 if result is not None:
-                    result_sock.send(worker_protocol.encode(result))
+                    data = worker_protocol.encode(result)
+                    if tr is not None:
+                        tr.event("result_sent", step=step_id)
+                    result_sock.send(data)
             else:
                 logger.error("rank %d: ignoring a %s on the plan socket", rank,
                              type(msg).__name__)
@@ -262,6 +266,8 @@ def run_worker(spec: dict) -> None:
     finally:
         if reader is not None:
             reader.close()
+        if tr is not None:
+            tr.close()
         arrays.close()
         stop_heartbeats.set()
         hb.join(timeout=2)

@@ -122,11 +122,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.client = AsyncClient(cfg.endpoint, curve_key_dir=cfg.curve_key_dir)
+        state.client = AsyncClient(cfg.endpoint, curve_key_dir=cfg.curve_key_dir,
+                                   trace=state.trace)
         try:
             yield
         finally:
             state.client.close()
+            if state.trace is not None:
+                state.trace.flush()
             state.render_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="nvllm OpenAI-compatible gateway", lifespan=lifespan)

@@ -98,7 +98,8 @@ async def chat_completions(request: Request) -> Response:
         roles = [{"index": k, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None} for k in range(body.n)]
         return stream_fanout(fan, envelope, choice, include_usage=body.include_usage,
-                             with_token_ids=tokens is not None, first_choices=roles)
+                             with_token_ids=tokens is not None, first_choices=roles,
+                             trace=state.trace)
 
     try:
         accs = await fanout.await_leader(request, fan, fanout.collect(fan))

@@ -78,7 +78,8 @@ async def completions(request: Request) -> Response:
                     "finish_reason": d.finish_reason}
 
         return stream_fanout(fan, envelope, choice, include_usage=body.include_usage,
-                             with_token_ids=tokens is not None)
+                             with_token_ids=tokens is not None,
+                             trace=state.trace)
 
     try:
         accs = await fanout.await_leader(request, fan, fanout.collect(fan))

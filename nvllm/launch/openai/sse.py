@@ -12,6 +12,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from nvllm.common.outputs import CompletionDelta
+from nvllm.common.trace import Tracer
 from nvllm.launch.openai.errors import from_leader
 from nvllm.launch.openai.fanout import Fanout, usage
 
@@ -59,23 +60,30 @@ class EventStream(StreamingResponse):
 async def fanout_events(fan: Fanout, envelope: Envelope,
                         choice: Callable[[int, CompletionDelta], dict], *,
                         include_usage: bool, with_token_ids: bool,
-                        first_choices: Iterable[dict] = ()) -> AsyncIterator[str]:
+                        first_choices: Iterable[dict] = (),
+                        trace: Tracer | None = None) -> AsyncIterator[str]:
     """`fan`'s deltas as events: one chunk per ``first_choices`` entry, then one chunk per
     delta that says something (``choice(prompt index, delta)``), then with `include_usage`
     a chunk with no choices and the usage, then ``[DONE]``. A delta with neither text nor
     a finish reason is skipped (text held back while it may be a stop string) unless
     `with_token_ids` (its tokens' logprobs are shown) and it has tokens. A leader error
-    mid-stream becomes an error event: the status line is already sent."""
+    mid-stream becomes an error event: the status line is already sent. With `trace`,
+    each delta's chunk is recorded (``sse_sent``) once the response has taken it."""
     finals: dict[tuple[int, int], CompletionDelta] = {}
     try:
         for c in first_choices:
             yield sse(envelope([c]))
         async for i, d in fan:
+            n = 0
+            if trace is not None:  # every delta counts, shown or not: n matches out_recv's
+                n = trace.ordinal("sse_sent", d.request_id, d.index, d.finish_reason is not None)
             if not (d.text or d.finish_reason is not None or (with_token_ids and d.token_ids)):
                 continue
             if d.finish_reason is not None:
                 finals[(i, d.index)] = d
             yield sse(envelope([choice(i, d)]))
+            if trace is not None:  # resumed: Starlette has sent the chunk
+                trace.event("sse_sent", rid=d.request_id, i=d.index, n=n)
         if include_usage:
             yield sse(envelope([], usage=usage(finals)))
     except Exception as e:

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from nvllm.common import trace
 from nvllm.common.client import AsyncClient
 from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.schemas import MAX_BODY_BYTES
@@ -34,6 +35,7 @@ class GatewayState:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.client: AsyncClient | None = None
+        self.trace = trace.tracer("http")  # None unless $NVLLM_TRACE is set
         self._info: dict | None = None
         self._tokenizer: Any = None
         self._tokens: TokenText | None = None
