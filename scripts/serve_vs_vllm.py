@@ -83,6 +83,9 @@ def one_run(engine: str, args, dtype: str, peer_bin: pathlib.Path, out: pathlib.
     port = free_port()
     log = open(out / f"{engine}-{dtype}-{port}.log", "w")
     env = peer_env() if engine == "vllm" else dict(os.environ)
+    trace = out / f"trace-{dtype}-{port}"  # --trace: nvllm's per-hop timestamps
+    if engine == "nvllm" and args.trace:
+        env["NVLLM_TRACE"] = str(trace)
     t0 = time.monotonic()
     proc = subprocess.Popen(server_command(engine, args, dtype, port, peer_bin), env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -107,6 +110,9 @@ def one_run(engine: str, args, dtype: str, peer_bin: pathlib.Path, out: pathlib.
     finally:
         stop(proc)
         log.close()
+    if engine == "nvllm" and args.trace:
+        from nvllm.launch.trace_report import one_line, summarize
+        print(f"  trace {dtype}: {one_line(summarize(str(trace)))}", flush=True)
     if res.get("failed", 0):
         raise RuntimeError(f"{res['failed']} requests failed against {engine}; see {out}")
     return {"startup_s": startup, "output_tok_s": res["output_throughput"],
@@ -127,6 +133,8 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=1200)
     ap.add_argument("--json", help="also write every run's figures here")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace nvllm's hops (NVLLM_TRACE) and print them after each run")
     args = ap.parse_args()
     peer_bin = ensure().parent
     if args.model is None:

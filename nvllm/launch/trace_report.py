@@ -13,7 +13,8 @@ in milliseconds.
     gateway             gateway out_recv    -> gateway sse_sent     (fan-out, JSON, HTTP)
     total               worker result_sent  -> gateway sse_sent
 
-``summarize(prefix)`` returns the same figures as a dict for benchmarks. One engine per
+``summarize(prefix)`` returns the same figures as a dict for benchmarks, ``one_line`` a
+compact line of them. One engine per
 prefix: step ids restart with each engine, so two engines' records would join wrongly.
 """
 
@@ -115,6 +116,13 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
         else:
             rows.append(f"{hop:<17}{0:>8}{'-':>12}{'-':>10}{'-':>10}")
     return "\n".join(rows)
+
+
+def one_line(summary: dict[str, dict[str, float]]) -> str:
+    """The summary on one line: ``hop median/p90/max ms (count)``, hop after hop."""
+    return "; ".join(
+        f"{hop} {s['median_ms']:.2f}/{s['p90_ms']:.2f}/{s['max_ms']:.2f} ms ({s['count']})"
+        if s["count"] else f"{hop} - (0)" for hop, s in summary.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,8 +76,13 @@ def test_report_command(traced, tmp_path, capsys):
     assert out[0].split()[:2] == ["hop", "count"]
     rows = {line.split()[0]: line.split()[1:] for line in out[1:]}
     assert rows["total"] == ["4", "37.000", "60.000", "60.000"]
+    line = trace_report.one_line(trace_report.summarize(traced))
+    assert line.startswith("worker->leader 3.00/5.00/5.00 ms (3); leader 6.00/")
+    assert line.endswith("; total 37.00/60.00/60.00 ms (4)")
     assert trace_report.main([str(tmp_path / "nothing")]) == 1
-    assert trace_report.summarize(str(tmp_path / "nothing"))["total"] == {"count": 0}
+    empty = trace_report.summarize(str(tmp_path / "nothing"))
+    assert empty["total"] == {"count": 0}
+    assert trace_report.one_line(empty).endswith("; total - (0)")
 
 
 def _stream(base: str, body: dict) -> list[dict]:
