@@ -85,3 +85,28 @@ def test_leader_error_mid_stream_is_an_error_event_then_done():
     assert json.loads(events[1][6:]) == {"error": {
         "message": "busy", "type": "server_error", "param": None, "code": "overloaded"}}
     assert events[2:] == ["data: [DONE]\n\n"] and fan.cancelled == 1
+
+
+def test_trace_records_shown_chunks_with_the_leaders_ordinals(tmp_path, monkeypatch):
+    """With a tracer, each chunk sent records sse_sent with (rid, i, n), n counting every
+    delta of that completion, shown or held back, as out_recv and out_sent count them."""
+    from nvllm.common import trace
+
+    monkeypatch.setattr(trace, "_tracers", {})
+    monkeypatch.setenv(trace.ENV, str(tmp_path / "t"))
+    tr = trace.tracer("http")
+    fan = FakeFan([(0, CompletionDelta("a", 0, [1], "", None)),  # held back: n=1, no chunk
+                   (0, CompletionDelta("a", 1, [2], "x", None)),
+                   (1, CompletionDelta("b", 0, [3], "y", None)),
+                   (0, CompletionDelta("a", 0, [4], "z", None, "length"))])
+    events = run(fan, include_usage=False, with_token_ids=False, trace=tr)
+    assert len(events) == 4  # three chunks and [DONE]
+    tr.close()
+    recs = [json.loads(line) for line in open(tr.path)]
+    assert [(r["ev"], r["rid"], r["i"], r["n"]) for r in recs] == [
+        ("sse_sent", "a", 1, 1), ("sse_sent", "b", 0, 1), ("sse_sent", "a", 0, 2)]
+    assert run(FakeFan([(0, delta(0, "Hi", [1]))]), include_usage=False,
+               with_token_ids=False) == [sse({"id": "id-1", "object": "chunk", "created": 7,
+                                              "model": "m", "choices": [
+                                                  {"i": 0, "k": 0, "text": "Hi",
+                                                   "end": None}]}), sse("[DONE]")]
