@@ -46,7 +46,7 @@ class Tracer:
         self._buf: collections.deque[str] = collections.deque()
         self._counts: dict[tuple, int] = {}
         self._lock = threading.Lock()
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._file = open(path, "a", encoding="utf-8")  # closed by close()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="nvllm-trace")
         self._thread.start()

@@ -129,7 +129,7 @@ def test_trace_of_a_served_stream(tiny, procs, tmp_path):
     for r in recs:
         by.setdefault(r["ev"], []).append(r)
     assert set(by) == {"result_sent", "result_recv", "out_sent", "out_recv", "sse_sent"}
-    key = lambda r: (r["rid"], r["i"], r["n"])  # noqa: E731
+    key = lambda r: (r["rid"], r["i"], r["n"])
     sent = {r["step"]: r["t"] for r in by["result_sent"]}
     recv = {r["step"]: r["t"] for r in by["result_recv"]}
     out_sent = {key(r): r for r in by["out_sent"]}
