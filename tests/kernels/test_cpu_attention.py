@@ -254,7 +254,10 @@ def test_native_ops_build():
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 32), (16, 1, 128),
+# The fixed-shape AVX-512 kernels (query heads per KV head 1, 2, 4 or 8; head_dim 64 or
+# 128) and the generic loop (the other shapes).
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (2, 2, 64), (8, 1, 64), (4, 2, 128),
+                                              (8, 1, 128), (4, 4, 32), (16, 1, 128),
                                               (6, 2, 80)])
 def test_native_decode_kernel(dtype, heads, kv_heads, d):
     """The kernel alone: a subset of a step's rows, K/V taken from a strided view (as the

@@ -19,6 +19,10 @@
 #include <initializer_list>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -42,6 +46,131 @@ inline void store(uint16_t* p, int64_t i, float v) {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
+
+#ifdef __AVX512F__
+// The AVX-512 path of the scores: 16 keys at a time, each key's dot products with the
+// group's queries accumulated over head_dim in vector lanes (no reduction per key), then
+// one transposing sum per 16 keys turns 16 vectors into one vector of 16 scores.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Lane sums of v[0..15], in a fixed lane order that kSumOrder undoes.
+inline __m512 transpose_sum_raw(const __m512* v) {
+  __m512 t[8], u[4], r[2];
+  for (int j = 0; j < 8; ++j)  // 128-bit chunks: v[j] in 0-1, v[j + 8] in 2-3
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)  // one vector per 128-bit chunk
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[j], t[j + 4], 0x88),
+                         _mm512_shuffle_f32x4(t[j], t[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)  // two lanes per vector in each chunk
+    r[j] = _mm512_add_ps(_mm512_shuffle_ps(u[j], u[j + 2], 0x44),
+                         _mm512_shuffle_ps(u[j], u[j + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88),
+                       _mm512_shuffle_ps(r[0], r[1], 0xDD));
+}
+
+// kSumOrder[j] = the lane of transpose_sum_raw's result that holds v[j]'s sum, found by
+// running it on v[j] = j (so no hand-derived table can be wrong).
+const __m512i kSumOrder = [] {
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_set1_ps(static_cast<float>(j) / 16.f);
+  float lanes[16];
+  _mm512_storeu_ps(lanes, transpose_sum_raw(v));
+  int32_t idx[16];
+  for (int lane = 0; lane < 16; ++lane) idx[static_cast<int>(lanes[lane] + 0.5f)] = lane;
+  return _mm512_loadu_si512(idx);
+}();
+
+// attend_one for a fixed group size G and head_dim D (a multiple of 16): queries and
+// the output accumulators live in registers, the per-key partial vectors go through a
+// small buffer to the transposing sum.
+template <typename T, int G, int D>
+void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
+                  float scale, T* out, int64_t out_head_stride, std::vector<float>& scores) {
+  constexpr int C = D / 16;
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + c * 16), sc);
+  const int64_t stride = (len + 15) / 16 * 16;  // each head's scores, padded to 16
+  scores.resize(static_cast<size_t>(G * stride));
+  float* s = scores.data();
+  alignas(64) __m512 part[G][16];
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int n = static_cast<int>(len - j0 < 16 ? len - j0 : 16);
+    for (int jj = 0; jj < 16; ++jj) {
+      if (jj >= n) {
+        for (int g = 0; g < G; ++g) part[g][jj] = _mm512_setzero_ps();
+        continue;
+      }
+      const T* kj = k + (j0 + jj) * D;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(kj + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        part[g][jj] = acc;
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(s + g * stride + j0,
+                       _mm512_permutexvar_ps(kSumOrder, transpose_sum_raw(part[g])));
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * stride;
+    float mx = sg[0];
+    for (int64_t j = 1; j < len; ++j) mx = sg[j] > mx ? sg[j] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      sum += sg[j];
+    }
+    inv[g] = 1.f / sum;
+  }
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const T* vj = v + j * D;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vj + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g * stride + j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    }
+  }
+  alignas(64) float o[D];
+  for (int g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[g][c], iv));
+    for (int i = 0; i < D; ++i) store(out + g * out_head_stride, i, o[i]);
+  }
+}
+
+// The fixed-shape kernel for (group, d), or nullptr (the generic loop then runs).
+template <typename T>
+using AttendFn = void (*)(const T*, int64_t, const T*, const T*, int64_t, float, T*, int64_t,
+                          std::vector<float>&);
+
+template <typename T>
+AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
+#define NVLLM_CASE(G, D) \
+  if (group == G && d == D) return &attend_fixed<T, G, D>;
+  NVLLM_CASE(1, 64) NVLLM_CASE(2, 64) NVLLM_CASE(4, 64) NVLLM_CASE(8, 64)
+  NVLLM_CASE(1, 128) NVLLM_CASE(2, 128) NVLLM_CASE(4, 128) NVLLM_CASE(8, 128)
+#undef NVLLM_CASE
+  return nullptr;
+}
+#endif
 
 template <typename T>
 void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
@@ -117,6 +246,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
   const int64_t vs0 = v_new.stride(0), vs1 = v_new.stride(1);
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+#ifdef __AVX512F__
+  const AttendFn<T> fixed = fixed_kernel<T>(group, d);
+#endif
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t t = begin; t < end; ++t) {
@@ -126,8 +258,15 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
       T* v = buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
       append<T>(k + (len[b] - 1) * d, kp + row[b] * ks0 + h * ks1, d);
       append<T>(v + (len[b] - 1) * d, vp + row[b] * vs0 + h * vs1, d);
-      attend_one<T>(qp + row[b] * qs0 + h * group * qs1, qs1, k, v, len[b], group, d,
-                    static_cast<float>(scale), op + row[b] * os0 + h * group * os1, os1,
+      const T* qh = qp + row[b] * qs0 + h * group * qs1;
+      T* oh = op + row[b] * os0 + h * group * os1;
+#ifdef __AVX512F__
+      if (fixed != nullptr) {
+        fixed(qh, qs1, k, v, len[b], static_cast<float>(scale), oh, os1, scores);
+        continue;
+      }
+#endif
+      attend_one<T>(qh, qs1, k, v, len[b], group, d, static_cast<float>(scale), oh, os1,
                     scores);
     }
   });
