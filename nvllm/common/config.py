@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 # Default KV-cache budget per worker on CPU (GiB), like vLLM's VLLM_CPU_KVCACHE_SPACE.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
@@ -122,10 +122,12 @@ class EngineConfig:
     cpu_kv_cache_gib: float = _setting(
         DEFAULT_CPU_KV_CACHE_GIB, "KV-cache budget per worker on CPU, in GiB.")
     attention_backend: str = _setting(
-        "auto", "Attention kernels; auto: triton on CUDA (with triton installed), else torch.",
+        "auto", "Kernels: torch (reference), triton, or cpu (nvllm's native CPU ops, built "
+                "per machine); auto: triton on CUDA (with triton installed), on CPU cpu "
+                "where the native ops build, else torch.",
         choices=ATTENTION_BACKENDS)
     cpu_kv_mirror: bool = _setting(
-        True, "CPU, torch backend: keep each running sequence's K/V also contiguous (within "
+        True, "CPU, torch/cpu backends: keep each running sequence's K/V also contiguous (within "
               "the cpu_kv_cache_gib budget again), so attention stops re-gathering paged "
               "blocks.")
     cpu_onednn_linear: bool = _setting(
@@ -264,7 +266,8 @@ class EngineConfig:
             raise ValueError("batch_timeout_ms must be >= 0")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                f"attention_backend must be auto, torch, triton or cpu, got "
+                f"{self.attention_backend!r}"
             )
         return self
 

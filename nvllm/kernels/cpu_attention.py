@@ -43,9 +43,11 @@ MIN_CAPACITY = 64  # tokens: a new copy's smallest size (short prompts still dec
 class DecodeRows:
     """The step's decoding sequences that the native kernel serves, as the int64 vectors
     it reads: each one's row in the step's tokens, its copy's address and capacity, and
-    its context length after this step. ``seqs`` are their indices in the step."""
+    its context length after this step. ``seqs`` are their indices in the step. The
+    kernel also writes their K/V into the paged cache, at ``slot_mapping[rows]``."""
 
     seqs: list[int]
+    all_rows: bool  # every row of the step is one of these (nothing else to store)
     rows: torch.Tensor
     bases: torch.Tensor
     caps: torch.Tensor
@@ -127,7 +129,7 @@ class CpuKVStore:
         decode = None
         if dec[0]:
             rows, bases, caps, lens = (torch.tensor(c, dtype=torch.long) for c in dec[1:])
-            decode = DecodeRows(dec[0], rows, bases, caps, lens)
+            decode = DecodeRows(dec[0], len(dec[0]) == row, rows, bases, caps, lens)
         return StepViews(dst, keys, values, with_copy, decode)
 
     def _copy_for(self, seq_id: int, block_table: list[int], done: int,
@@ -167,8 +169,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """One layer's attention step over meta.cpu_kv: store this step's K/V
     ([T, kv_heads, d]) in the paged cache and append them to the copies at `layer`, then
     attend, reading each sequence's copy in place (or its pages, if it has none)."""
-    reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     views = meta.cpu_kv
+    dec = views.decode
+    if dec is None or not dec.all_rows:  # (the kernel's rows are then stored twice: harmless)
+        reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     cu = meta.cu_seqlens_q_host
     lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
     if views.with_copy:
@@ -183,12 +187,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             return keys[i][layer], values[i][layer]
         return reference.gather_kv(k_cache, v_cache, meta, i)
 
-    dec = views.decode
     if dec is None:
         return reference.attend_runs(q, meta, scale, kv_of, lens)
     out = torch.empty_like(q)
-    cpu_ops.decode_attention(out, q, k, v, dec.rows, dec.bases, dec.caps, dec.lens, layer,
-                             scale)
+    slots = meta.slot_mapping if dec.all_rows else meta.slot_mapping[dec.rows]
+    cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, slots, dec.rows, dec.bases,
+                             dec.caps, dec.lens, layer, scale)
     if len(dec.seqs) < meta.num_seqs:
         native = set(dec.seqs)
         for i in range(meta.num_seqs):

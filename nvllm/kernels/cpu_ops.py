@@ -2,7 +2,11 @@
 
 Why native code: decode attention over a batch of sequences of different lengths has no
 single torch call on CPU, and a Python loop of per-sequence SDPA calls spends more time
-in dispatch than in arithmetic (``csrc/cpu_decode_attention.cpp`` says by how much).
+in dispatch than in arithmetic (``csrc/cpu_decode_attention.cpp`` says by how much). The
+layer ops (``csrc/cpu_layer_ops.cpp``: RMSNorm with or without the residual add, SiLU-and-
+mul, rotary) each replace several torch ops and their temporaries with one pass. The
+``"cpu"`` backend of ``ops`` runs them; ``ops.resolve_backend`` picks it on CPU when
+``load()`` succeeds.
 
 ``scripts/install.sh`` builds the library (``python -m nvllm.kernels.cpu_ops``); a worker
 that finds it missing builds it on first use (about 10 s, under torch's file lock, so
@@ -27,7 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 NAME = "nvllm_cpu_ops"
-SOURCES = [pathlib.Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"]
+SOURCES = [pathlib.Path(__file__).parent / "csrc" / name
+           for name in ("cpu_decode_attention.cpp", "cpu_layer_ops.cpp")]
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -91,11 +96,50 @@ def load() -> bool:
 
 
 def decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
-                     v_new: torch.Tensor, rows: torch.Tensor, bases: torch.Tensor,
+                     v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, rows: torch.Tensor, bases: torch.Tensor,
                      caps: torch.Tensor, lens: torch.Tensor, layer: int, scale: float) -> None:
     """See csrc/cpu_decode_attention.cpp; only after load() returned True."""
-    torch.ops.nvllm_cpu.decode_attention(out, q, k_new, v_new, rows, bases, caps, lens,
-                                         layer, scale)
+    torch.ops.nvllm_cpu.decode_attention(out, q, k_new, v_new, k_cache, v_cache, slots, rows,
+                                         bases, caps, lens, layer, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm over the last dim of a 2-D or 3-D x (rows may be strided)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.nvllm_cpu.rms_norm(_rows(out), _rows(x), weight, eps, None, None)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.fused_add_rms_norm: (rms_norm(x + residual), x + residual)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.nvllm_cpu.rms_norm(_rows(out), _rows(x), weight, eps, _rows(residual),
+                                 _rows(res_out))
+    return out, res_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """reference.silu_and_mul for x = [N, 2D]."""
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    torch.ops.nvllm_cpu.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rotary_embedding: q [T, H, d], k [T, KH, d] (rows may be strided)."""
+    q_out = torch.empty(q.shape, dtype=q.dtype)
+    k_out = torch.empty(k.shape, dtype=k.dtype)
+    torch.ops.nvllm_cpu.rotary_embedding(q_out, k_out, positions, q, k, cos, sin)
+    return q_out, k_out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A [A, B, D] view of a 2-D or 3-D tensor, as the row kernels take it."""
+    return t.unsqueeze(1) if t.dim() == 2 else t
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """The one dispatch point for every kernel: the worker calls these, passing its backend.
 
 ``"torch"`` runs the reference twins (``reference.py``); ``"triton"`` runs the Triton
-kernels (on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``). ``"auto"`` is
-resolved once at start-up by ``resolve_backend``: Triton on CUDA, torch on CPU.
+kernels (on CPU under the Triton interpreter, ``TRITON_INTERPRET=1``); ``"cpu"`` runs
+nvllm's native CPU ops (``cpu_ops.py``: the layer ops and batched decode attention),
+which are built per machine, and the reference for the rest. ``"auto"`` is resolved
+once at start-up by ``resolve_backend``: Triton on CUDA; on CPU, cpu where the native
+ops load, else torch.
 
-Attention on the torch backend has a second implementation, the CPU backend
-(``cpu_attention.py``: contiguous per-sequence K/V copies). ``uses_cpu_attention`` says
+Attention on the torch and cpu backends has a second implementation
+(``cpu_attention.py``: contiguous per-sequence K/V copies; on the cpu backend its decoding
+sequences go to the native kernel). ``uses_cpu_attention`` says
 whether a worker runs it; ``attention`` then picks it per step by the metadata carrying
 its views (``meta.cpu_kv``), not by another backend name: the views exist exactly when
 the runner keeps copies, every other op is the same as torch's (a "cpu" name would only
@@ -20,10 +24,10 @@ import os
 
 import torch
 
-from nvllm.kernels import cpu_attention, reference
+from nvllm.kernels import cpu_attention, cpu_ops, reference
 from nvllm.kernels.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def triton_available() -> bool:
@@ -34,7 +38,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if cpu_ops.load() else "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError("attention_backend='cpu' runs on CPU only")
+        if not cpu_ops.load():
+            raise RuntimeError("attention_backend='cpu' needs nvllm's native CPU ops, which "
+                               "did not build here: run python -m nvllm.kernels.cpu_ops to "
+                               "see why, or use 'torch'")
     if backend == "triton":
         if not triton_available():
             raise RuntimeError("attention_backend='triton' needs the triton package "
@@ -60,14 +73,14 @@ def _triton_layer_ops():
 def uses_cpu_attention(backend: str, device: torch.device, cpu_kv_mirror: bool) -> bool:
     """Whether a worker keeps the CPU backend's K/V copies (and puts their views in each
     step's metadata); backend is the resolved one."""
-    return device.type == "cpu" and backend == "torch" and cpu_kv_mirror
+    return device.type == "cpu" and backend in ("torch", "cpu") and cpu_kv_mirror
 
 
 def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
               backend: str = "torch", layer: int = 0) -> torch.Tensor:
     """One layer's attention step: store this step's K/V ([T, kv_heads, d]) in the paged
     cache, then attend. layer indexes the CPU backend's copies (which hold every layer)."""
-    if meta.cpu_kv is not None and backend == "torch":
+    if meta.cpu_kv is not None and backend in ("torch", "cpu"):
         return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, scale, layer)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, backend)
     return paged_attention(q, k_cache, v_cache, meta, scale, backend)
@@ -87,24 +100,32 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
 
 
 def rms_norm(x, weight, eps: float, backend: str = "torch") -> torch.Tensor:
+    if backend == "cpu":
+        return cpu_ops.rms_norm(x, weight, eps)
     if backend == "triton":
         return _triton_layer_ops().rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps: float, backend: str = "torch"):
+    if backend == "cpu":
+        return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
     if backend == "triton":
         return _triton_layer_ops().fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos, sin, backend: str = "torch"):
+    if backend == "cpu":
+        return cpu_ops.rotary_embedding(positions, q, k, cos, sin)
     if backend == "triton":
         return _triton_layer_ops().rotary_embedding(positions, q, k, cos, sin)
     return reference.rotary_embedding(positions, q, k, cos, sin)
 
 
 def silu_and_mul(x, backend: str = "torch") -> torch.Tensor:
+    if backend == "cpu":
+        return cpu_ops.silu_and_mul(x)
     if backend == "triton":
         return _triton_layer_ops().silu_and_mul(x)
     return reference.silu_and_mul(x)

@@ -117,7 +117,8 @@ class ModelRunner:
         if uses_cpu_attention(self.backend, self.device, self.config.cpu_kv_mirror):
             # A second copy of what running sequences hold, so it gets its own budget.
             self.cpu_kv = CpuKVStore(self.kv_cache, int(self.config.cpu_kv_cache_gib * (1 << 30)),
-                                     self.config.max_model_len)
+                                     self.config.max_model_len,
+                                     native_decode=self.backend == "cpu")
         if self.use_cuda_graphs:
             self.capture_graphs()
 

@@ -272,13 +272,22 @@ def test_native_decode_kernel(dtype, heads, kv_heads, d):
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
     rows = [0, 2, 3, 5, 6]  # rows 1 and 4 belong to other sequences: left alone
+    slots = [3, -1, 17, 40, 63]  # -1: not stored in the paged cache
+    k_cache, v_cache = (torch.zeros(4, 16, kv_heads, d, dtype=dtype) for _ in range(2))
     out = torch.full_like(q, 7.0)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    cpu_ops.decode_attention(out, q, k, v, as_long(rows), as_long([b.data_ptr() for b in bufs]),
+    cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, as_long(slots), as_long(rows),
+                             as_long([b.data_ptr() for b in bufs]),
                              as_long([b.shape[3] for b in bufs]), as_long(lens), layer, 0.3)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    stored = [s for s in slots if s >= 0]
+    assert torch.count_nonzero(flat_k.abs().sum((1, 2))) == len(stored)
     for b, (row, n) in enumerate(zip(rows, lens)):
         kv = bufs[b][layer, :, :, :n]
         assert torch.equal(kv[0, :, n - 1], k[row]) and torch.equal(kv[1, :, n - 1], v[row])
+        if slots[b] >= 0:
+            assert torch.equal(flat_k[slots[b]], k[row])
+            assert torch.equal(flat_v[slots[b]], v[row])
         want = F.scaled_dot_product_attention(
             q[row].float()[None, :, None], kv[0:1].float(), kv[1:2].float(), scale=0.3,
             enable_gqa=True)[0, :, 0]

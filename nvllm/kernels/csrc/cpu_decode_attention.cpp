@@ -231,6 +231,7 @@ void append(T* dst, const T* src, int64_t d) {
 
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& rows, const at::Tensor& bases, const at::Tensor& caps,
          const at::Tensor& lens, int64_t layer, double scale) {
   const int64_t n = rows.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_new.size(1);
@@ -239,6 +240,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
   const int64_t* base = bases.data_ptr<int64_t>();
   const int64_t* cap = caps.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
+  T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k_new.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v_new.data_ptr());
@@ -256,8 +260,14 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
       T* buf = reinterpret_cast<T*>(base[b]);
       T* k = buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
       T* v = buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
-      append<T>(k + (len[b] - 1) * d, kp + row[b] * ks0 + h * ks1, d);
-      append<T>(v + (len[b] - 1) * d, vp + row[b] * vs0 + h * vs1, d);
+      const T* kb = kp + row[b] * ks0 + h * ks1;
+      const T* vb = vp + row[b] * vs0 + h * vs1;
+      append<T>(k + (len[b] - 1) * d, kb, d);
+      append<T>(v + (len[b] - 1) * d, vb, d);
+      if (slot[b] >= 0) {  // the paged cache too: prefix hits and rebuilt copies read it
+        append<T>(kc + (slot[b] * kv_heads + h) * d, kb, d);
+        append<T>(vc + (slot[b] * kv_heads + h) * d, vb, d);
+      }
       const T* qh = qp + row[b] * qs0 + h * group * qs1;
       T* oh = op + row[b] * os0 + h * group * os1;
 #ifdef __AVX512F__
@@ -273,11 +283,13 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
 }
 
 // For each decoding sequence b: write k_new[rows[b]] and v_new[rows[b]] as its token
-// lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype),
-// then out[rows[b]] = attention of q[rows[b]] over its first lens[b] keys and values.
-// The caller guarantees the buffers (cpu_attention.CpuKVStore) and lens[b] <= caps[b].
+// lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype)
+// and at slots[b] of the paged cache (skipped when -1), then out[rows[b]] = attention
+// of q[rows[b]] over its first lens[b] keys and values. The caller guarantees the
+// buffers (cpu_attention.CpuKVStore), lens[b] <= caps[b] and the slots.
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
-                      const at::Tensor& v_new, const at::Tensor& rows, const at::Tensor& bases,
+                      const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
                       const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
                       double scale) {
   const int64_t kv_heads = k_new.size(1);
@@ -286,17 +298,23 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
                     t->scalar_type() == q.scalar_type(),
                 "out, q, k_new and v_new must be [tokens, heads, d] of one dtype, d contiguous");
   TORCH_CHECK(v_new.size(1) == kv_heads, "k_new and v_new must have the same heads");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(2) == kv_heads &&
+                    t->size(3) == q.size(2) && t->scalar_type() == q.scalar_type(),
+                "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, d]");
   TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
   TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim must be at most 256");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&rows, &bases, &caps, &lens})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&rows, &bases, &caps, &lens, &slots})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
                     t->size(0) == rows.size(0),
-                "rows, bases, caps and lens must be int64 vectors of one length");
+                "rows, bases, caps, lens and slots must be int64 vectors of one length");
   if (q.scalar_type() == at::kFloat)
-    run<float>(out, q, k_new, v_new, rows, bases, caps, lens, layer, scale);
+    run<float>(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens, layer,
+               scale);
   else if (q.scalar_type() == at::kBFloat16)
-    run<uint16_t>(out, q, k_new, v_new, rows, bases, caps, lens, layer, scale);
+    run<uint16_t>(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens,
+                  layer, scale);
   else
     TORCH_CHECK(false, "decode_attention runs in float32 or bfloat16");
 }
@@ -304,8 +322,9 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
 }  // namespace
 
 TORCH_LIBRARY(nvllm_cpu, m) {
-  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, Tensor rows, "
-        "Tensor bases, Tensor caps, Tensor lens, int layer, float scale) -> ()");
+  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor rows, Tensor bases, "
+        "Tensor caps, Tensor lens, int layer, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
