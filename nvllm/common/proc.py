@@ -27,6 +27,28 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def stop_on_signals(stop: threading.Event,
+                    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Set `stop` on any of `signals`, from a handler safe against a second signal.
+
+    Python runs a handler between two bytecodes of the main thread, so a second signal
+    (Ctrl-C pressed twice, a SIGTERM to the process group and then to the process) can
+    run a handler inside the first one's ``Event.set``, which holds a non-reentrant lock:
+    calling ``set`` again there deadlocks the process for good. Only the first handler
+    call gets as far as ``set``.
+    """
+    seen = []
+
+    def handler(*_: object) -> None:
+        if seen:
+            return
+        seen.append(True)
+        stop.set()
+
+    for sig in signals:
+        signal.signal(sig, handler)
+
+
 def set_process_title(title: str) -> None:
     """Name this process for operators (`ps`, `top`): nvllm-leader, nvllm-worker-<rank>, ..."""
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import click
 
+from nvllm.common.proc import stop_on_signals
 from nvllm.launch.options import engine_options
 
 DEMO_PROMPTS = [
@@ -199,8 +199,7 @@ def _serve(engine, host: str, port: int, served_model_name: str | None,
     server = EngineServer(engine, host, port, model_name=served_model_name,
                           curve_key_dir=curve_key_dir, max_frame_bytes=max_frame_bytes)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
     gateway = None
     if http_host is not None:

@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from nvllm.common.config import DistConfig, EngineConfig
+from nvllm.common.proc import stop_on_signals
 from nvllm.common.zmq_utils import check_curve_bind, private_ipc_dir
 from nvllm.leader.worker_client import WorkerGroupClient
 
@@ -247,8 +248,7 @@ def run_worker_node(dist: DistConfig, node_rank: int, model: str | None = None,
     logger.info("node %d: started ranks %s (pids %s)", node_rank, list(ranks),
                 [p.pid for p in procs])
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     try:
         while not stop.is_set():
             if all(p.poll() is not None for p in procs):
