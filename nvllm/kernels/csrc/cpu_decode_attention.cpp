@@ -60,7 +60,7 @@ inline __m512 load16(const uint16_t* p) {
 }
 
 // Lane sums of v[0..15], in a fixed lane order that kSumOrder undoes.
-inline __m512 transpose_sum_raw(const __m512* v) {
+__attribute__((always_inline)) inline __m512 transpose_sum_raw(const __m512* v) {
   __m512 t[8], u[4], r[2];
   for (int j = 0; j < 8; ++j)  // 128-bit chunks: v[j] in 0-1, v[j + 8] in 2-3
     t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44),
@@ -111,6 +111,9 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
         continue;
       }
       const T* kj = k + (j0 + jj) * D;
+      // The copies are read once per step, from memory: fetch ahead of the loads.
+      for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(kj + 16 * D) + b, _MM_HINT_T0);
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(kj + c * 16);
       for (int g = 0; g < G; ++g) {
@@ -141,6 +144,8 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
     const T* vj = v + j * D;
+    for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(vj + 16 * D) + b, _MM_HINT_T0);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vj + c * 16);
     for (int g = 0; g < G; ++g) {
