@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Single engine steps of the bench_vs_hf checkpoint, timed in-process (no leader).
 
-Runs one ModelRunner (tp=1, float32, the torch backend on CPU) and times decode steps of
+Runs one ModelRunner (tp=1, float32 unless --dtype, the default backend on CPU: the
+native CPU ops where they build) and times decode steps of
 B sequences at context L, and prefill steps, each the minimum over repeats: on a shared
 machine the minimum is what a change can be judged by (whole runs vary by +-15%). Prints
 each step's time and its linear layers' FLOP rate as a share of a matmul probe of the
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prefill", nargs="*", default=["512x4", "256x8"],
                     help="NxB: B new prompts of N tokens in one step")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     from bench_vs_hf import SHAPE, probe_gflops
@@ -40,7 +42,7 @@ def main() -> None:
 
     keep_freed_memory()  # as a worker does
     model = make_tiny_checkpoint(tempfile.mkdtemp(prefix="nvllm-steps-"), **SHAPE)
-    config = EngineConfig(str(model), device="cpu", dtype="float32", block_size=16,
+    config = EngineConfig(str(model), device="cpu", dtype=args.dtype, block_size=16,
                           max_model_len=2048).finalize()
     runner = ModelRunner(config, TPContext(), torch.device("cpu"))
     runner.init_kv_cache(4096)
@@ -67,7 +69,8 @@ def main() -> None:
         runner.execute(plan)
         return time.perf_counter() - t
 
-    res: dict = {"probe_gflops": probe_gflops(h, i, 256, torch.float32), "decode": [],
+    res: dict = {"probe_gflops": probe_gflops(h, i, 256, getattr(torch, args.dtype)),
+                 "backend": runner.backend, "dtype": args.dtype, "decode": [],
                  "prefill": []}
     for spec in args.decode:
         b, ctx = map(int, spec.split("x"))
@@ -92,7 +95,8 @@ def main() -> None:
                                "linear_share_of_probe":
                                    flops / min(times) / 1e9 / res["probe_gflops"]})
     print(json.dumps(res, indent=2))
-    print(f"matmul probe {res['probe_gflops']:.0f} GFLOP/s")
+    print(f"{args.dtype}, {runner.backend} backend; matmul probe "
+          f"{res['probe_gflops']:.0f} GFLOP/s")
     for r in res["decode"]:
         print(f"decode  {r['seqs']:3d} seqs at context {r['context']:4d}: {r['ms']:7.1f} ms "
               f"(linears {r['linear_share_of_probe']:.2f} of the probe)")
