@@ -36,6 +36,15 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(*args.output) for _ in range(args.num_seqs)]
 
 
+def timed_generate(llm, sampling_params, prompts, outs) -> tuple[float, list]:
+    """One LLM.generate of the workload (the same call on both engines), timed."""
+    t0 = time.perf_counter()
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       [sampling_params(temperature=0, max_tokens=o, ignore_eos=True)
+                        for o in outs], use_tqdm=False)
+    return time.perf_counter() - t0, got
+
+
 def run_nvllm(args, prompts, outs) -> dict:
     from nvllm import LLM, SamplingParams
 
@@ -44,11 +53,7 @@ def run_nvllm(args, prompts, outs) -> dict:
     with LLM(args.model, device="cpu", dtype=args.dtype, **extra) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
         start = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-                            for o in outs], use_tqdm=False)
-        dt = time.perf_counter() - t0
+        dt, got = timed_generate(llm, SamplingParams, prompts, outs)
     return {"startup_s": start, "s": dt, "tokens": sum(len(g.token_ids) for g in got)}
 
 
@@ -60,11 +65,7 @@ def run_vllm(args, prompts, outs) -> dict:
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4),
                  use_tqdm=False)
     start = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    got = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                       [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-                        for o in outs], use_tqdm=False)
-    dt = time.perf_counter() - t0
+    dt, got = timed_generate(llm, SamplingParams, prompts, outs)
     return {"startup_s": start, "s": dt, "tokens": sum(len(g.outputs[0].token_ids) for g in got)}
 
 

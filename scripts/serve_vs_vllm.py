@@ -57,15 +57,23 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left after 30 s."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM the server's process group and wait until every process in it is gone
+    (SIGKILL after 30 s), so no server's shutdown overlaps the next one's run."""
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while True:
+        proc.poll()  # reap the group's leader
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.2)
 
 
 def server_command(engine: str, args, dtype: str, port: int, peer_bin: pathlib.Path) -> list[str]:

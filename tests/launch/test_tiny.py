@@ -331,3 +331,27 @@ def test_cli(tmp_path: pathlib.Path) -> None:
     assert (tmp_path / "llama" / "tokenizer.json").is_file()
     res = CliRunner().invoke(main, ["--all", "--preset", "llama", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "mutually exclusive" in res.output
+
+
+def test_full_vocab_tokenizer_names_every_id(tmp_path: pathlib.Path) -> None:
+    """The benchmark preset's tokenizer: ids past the trained ones decode to a word each
+    (so a server streams one text piece per token), and the trained ids keep their
+    meaning (the same as without the option)."""
+    full = make_tiny_checkpoint(tmp_path / "full", "qwen3", vocab_size=1500, head_dim=32,
+                                full_vocab_tokenizer=True)
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen3", vocab_size=1500, head_dim=32)
+    tf, tp = AutoTokenizer.from_pretrained(full), AutoTokenizer.from_pretrained(plain)
+    assert len(tf) == 1500 and len(tp) < 1500
+    assert [tf.decode([i]) for i in range(len(tp), 1500)] == [
+        f" w{i}" for i in range(len(tp), 1500)]
+    assert tf.decode(list(range(len(tp)))) == tp.decode(list(range(len(tp))))
+    assert tf.encode(ENGLISH) == tp.encode(ENGLISH)
+
+
+def test_bench_preset_is_offered_but_not_built_with_all() -> None:
+    from nvllm.launch.tiny import ALL_PRESETS, BENCH_PRESETS
+
+    assert "qwen3-36m" in BENCH_PRESETS and set(ALL_PRESETS) == set(PRESETS) | set(BENCH_PRESETS)
+    assert BENCH_PRESETS["qwen3-36m"]["full_vocab_tokenizer"]
+    result = CliRunner().invoke(main, ["--help"])
+    assert "qwen3-36m" in result.output

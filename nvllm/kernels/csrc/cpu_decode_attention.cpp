@@ -44,6 +44,19 @@ inline void store(uint16_t* p, int64_t i, float v) {
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
+// Softmax numerators in place (exp(s - max)) over s[0..len); returns 1 / their sum.
+inline float exp_in_place(float* s, int64_t len) {
+  float mx = s[0];
+  for (int64_t j = 1; j < len; ++j) mx = s[j] > mx ? s[j] : mx;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < len; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  return 1.f / sum;
+}
+
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -127,18 +140,7 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
                        _mm512_permutexvar_ps(kSumOrder, transpose_sum_raw(part[g])));
   }
   float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = s + g * stride;
-    float mx = sg[0];
-    for (int64_t j = 1; j < len; ++j) mx = sg[j] > mx ? sg[j] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = std::exp(sg[j] - mx);
-      sum += sg[j];
-    }
-    inv[g] = 1.f / sum;
-  }
+  for (int g = 0; g < G; ++g) inv[g] = exp_in_place(s + g * stride, len);
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -201,15 +203,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
   float acc[kMaxGroup][kMaxHeadDim];
   for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * len;
-    float mx = sg[0];
-    for (int64_t j = 1; j < len; ++j) mx = sg[j] > mx ? sg[j] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = std::exp(sg[j] - mx);
-      sum += sg[j];
-    }
-    const float inv = 1.f / sum;
+    const float inv = exp_in_place(sg, len);
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) sg[j] *= inv;
     for (int64_t i = 0; i < d; ++i) acc[g][i] = 0.f;
