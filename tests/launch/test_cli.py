@@ -136,7 +136,7 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
             pass
 
     monkeypatch.setattr(leader_server, "EngineServer", FakeServer)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(cli, "stop_on_signals", lambda stop: None)
     calls = []
     real = gateway_cli.start_gateway_process
 
