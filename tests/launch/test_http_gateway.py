@@ -794,3 +794,46 @@ def test_a_hostile_chat_template_is_refused_and_never_freezes_streams(server, tm
         assert len(during) >= 3, (len(during), render["end"] - render["start"])
     finally:
         stop_process(gateway, signal.SIGTERM)
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------
+
+
+def test_tokenize_and_detokenize(server, tokenizer):
+    text = "The capital of France is Paris."
+    got = post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+    ids = tokenizer(text)["input_ids"]
+    assert got == {"count": len(ids), "max_model_len": got["max_model_len"], "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert got["max_model_len"] > 0
+    assert post(server, "/tokenize", {"prompt": text})["token_strs"] is None
+    assert post(server, "/detokenize", {"tokens": ids}) == {"prompt": tokenizer.decode(ids)}
+
+
+def test_tokenize_chat_is_what_the_chat_route_renders(server, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a prime."}]
+    got = post(server, "/tokenize", {"messages": messages})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    # The chat route sends the same ids: its usage counts them.
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert chat["usage"]["prompt_tokens"] == got["count"]
+    bare = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert bare["count"] < got["count"]
+
+
+@pytest.mark.parametrize("route,body,status,param", [
+    ("/detokenize", {"tokens": [1, 1 << 20]}, 400, "tokens.1"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("/tokenize", {"messages": [], "add_generation_prompt": True}, 400, "messages"),
+    ("/tokenize", {"prompt": "x", "model": "another-model"}, 404, "model"),
+])
+def test_tokenize_errors_name_the_field(server, route, body, status, param):
+    r = httpx.post(f"{server.base}{route}", json={"model": MODEL_NAME, **body},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text

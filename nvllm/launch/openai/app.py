@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from nvllm.common.client import AsyncClient
-from nvllm.launch.openai import chat, completions
+from nvllm.launch.openai import chat, completions, tokenize
 from nvllm.launch.openai.errors import ApiError, from_leader
 from nvllm.launch.openai.metrics import PROMETHEUS_CONTENT_TYPE, CountRequests, gateway_metrics
 from nvllm.launch.openai.state import CONTROL_TIMEOUT_S, GatewayConfig, GatewayState
@@ -137,4 +137,6 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     _add_health_and_metrics(app, state)
     _add_error_handlers(app)
     app.include_router(_v1_router(state))
+    # vLLM serves these at the root, not under /v1.
+    app.include_router(tokenize.router, dependencies=[_key_check(state)])
     return app

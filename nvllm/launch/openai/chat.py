@@ -23,7 +23,7 @@ from nvllm.launch.openai.state import GatewayState
 router = APIRouter()
 
 
-def _messages(body: ChatBody) -> list[dict]:
+def _messages(body: Any) -> list[dict]:
     """The messages as the chat template takes them (text content parts joined)."""
     messages = []
     for j, m in enumerate(body.messages):
@@ -44,6 +44,14 @@ def _prompt_ids(tok: Any, body: ChatBody) -> list[int]:
     """The chat template applied to the messages, as token ids. CPU-bound (and a template
     from the request, when the operator trusts those, may run long): called in the
     gateway's render pool, never on the event loop."""
+    # The template already holds the special tokens it wants: encode without adding
+    # more (a second BOS), and send ids so the leader does not tokenize it again.
+    return list(tok(render_text(tok, body), add_special_tokens=False)["input_ids"])
+
+
+def render_text(tok: Any, body: Any) -> str:
+    """The chat template applied to body's messages (a ChatBody or the /tokenize chat
+    form: messages, add_generation_prompt, chat_template, chat_template_kwargs)."""
     kwargs = dict(body.chat_template_kwargs or {})
     template = kwargs.pop("chat_template", None) or body.chat_template
     if not template and not getattr(tok, "chat_template", None):
@@ -51,15 +59,12 @@ def _prompt_ids(tok: Any, body: ChatBody) -> list[int]:
                        param="messages", code="no_chat_template")
     messages = _messages(body)
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, chat_template=template,
+        return tok.apply_chat_template(messages, tokenize=False, chat_template=template,
                                        add_generation_prompt=body.add_generation_prompt,
                                        **kwargs)
     except Exception as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from e
-    # The template already holds the special tokens it wants: encode without adding
-    # more (a second BOS), and send ids so the leader does not tokenize it again.
-    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 @router.post("/chat/completions")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Request
@@ -155,7 +156,7 @@ class ChatBody(SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-BodyT = TypeVar("BodyT", bound=SamplingBody)
+BodyT = TypeVar("BodyT", bound=_Body)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -249,9 +250,10 @@ def _has_lone_surrogate(data: Any) -> bool:
     return False
 
 
-def parse(raw: bytes, model: type[BodyT], *, trust_template: bool = False,
-          allow_priority: bool = False) -> BodyT:
-    """Bytes -> a validated body (CPU-bound: big bodies run it in a worker thread)."""
+def parse(raw: bytes, model: type[BodyT] | Callable[[Any], type[BodyT]], *,
+          trust_template: bool = False, allow_priority: bool = False) -> BodyT:
+    """Bytes -> a validated body (CPU-bound: big bodies run it in a worker thread).
+    model may be a function of the decoded JSON that picks the body's type."""
     try:
         data = json.loads(raw or b"{}", parse_constant=_no_constant)
     except RecursionError:
@@ -261,6 +263,8 @@ def parse(raw: bytes, model: type[BodyT], *, trust_template: bool = False,
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
         raise ApiError(400, "the body is not valid JSON text: a string holds a lone UTF-16 "
                             "surrogate escape", code="invalid_json")
+    if not isinstance(model, type):
+        model = model(data)
     data = screen(data, model, trust_template=trust_template, allow_priority=allow_priority)
     try:
         return model.model_validate(data)
@@ -272,6 +276,14 @@ def parse(raw: bytes, model: type[BodyT], *, trust_template: bool = False,
 
 async def parse_body(request: Request, model: type[BodyT], state: GatewayState) -> BodyT:
     """The request's body as `model`, checked against the served model and its limits."""
+    body = await parse_plain_body(request, state, model)
+    check_body(body, (await state.info()).get("max_model_len"))
+    return body
+
+
+async def parse_plain_body(request: Request, state: GatewayState,
+                           model: type[BodyT] | Callable[[Any], type[BodyT]]) -> BodyT:
+    """The request's body as `model` (see parse), checked against the served model."""
     cfg = state.cfg
     raw = await read_body(request, cfg.max_body_bytes)
     kw = {"trust_template": cfg.trust_request_chat_template,
@@ -281,7 +293,6 @@ async def parse_body(request: Request, model: type[BodyT], state: GatewayState) 
     else:
         body = parse(raw, model, **kw)
     await state.check_model(body.model)
-    check_body(body, (await state.info()).get("max_model_len"))
     return body
 
 

@@ -1,0 +1,85 @@
+"""``/tokenize`` and ``/detokenize`` with vLLM's request and response shapes.
+
+``POST /tokenize`` takes either ``{"prompt": str, "add_special_tokens": true}`` or the
+chat form ``{"messages": [...], "add_generation_prompt": true, "add_special_tokens":
+false, "chat_template_kwargs": {...}}`` (rendered exactly as ``/v1/chat/completions``
+renders it), plus ``"return_token_strs"``; it answers ``{"count", "max_model_len",
+"tokens", "token_strs"}``. ``POST /detokenize`` takes ``{"tokens": [int, ...]}`` and
+answers ``{"prompt": str}``. Both sit behind the API key like ``/v1``, read their body
+within the gateway's byte limit, and tokenize or render in the gateway's render pool.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from nvllm.launch.openai.chat import render_text
+from nvllm.launch.openai.errors import ApiError
+from nvllm.launch.openai.schemas import (
+    MAX_MESSAGES,
+    MAX_PROMPT_TOKEN_IDS,
+    ChatMessage,
+    TokenId,
+    _Body,
+    parse_plain_body,
+)
+from nvllm.launch.openai.state import GatewayState
+
+router = APIRouter()
+
+
+class TokenizeCompletionBody(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatBody(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template holds the special tokens it wants
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
+def _tokenize(tok: Any, body: TokenizeCompletionBody | TokenizeChatBody) -> list[int]:
+    """CPU-bound: runs in the render pool."""
+    text = body.prompt if isinstance(body, TokenizeCompletionBody) else render_text(tok, body)
+    return list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"])
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict:
+    state: GatewayState = request.app.state.gateway
+    body = await parse_plain_body(
+        request, state, lambda raw: TokenizeChatBody if isinstance(raw, dict)
+        and "messages" in raw else TokenizeCompletionBody)
+    tok = await state.tokenizer()
+    ids = await state.render(_tokenize, tok, body)
+    info = await state.info()
+    return {"count": len(ids), "max_model_len": info.get("max_model_len"), "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    state: GatewayState = request.app.state.gateway
+    body = await parse_plain_body(request, state, lambda raw: DetokenizeBody)
+    vocab = int((await state.info()).get("vocab_size") or 0)
+    for j, t in enumerate(body.tokens):
+        if vocab and t >= vocab:
+            raise ApiError(400, f"tokens.{j} is {t}, outside the vocabulary (0..{vocab - 1})",
+                           param=f"tokens.{j}", code="invalid_value")
+    tok = await state.tokenizer()
+    return {"prompt": await state.render(tok.decode, body.tokens)}
