@@ -31,8 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 NAME = "nvllm_cpu_ops"
-SOURCES = [pathlib.Path(__file__).parent / "csrc" / name
-           for name in ("cpu_decode_attention.cpp", "cpu_layer_ops.cpp")]
+CSRC = pathlib.Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp"]
+HEADERS = [CSRC / "bf16.h"]  # part of the build's key, not compiled on their own
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -52,7 +53,7 @@ def _cpu_flags() -> str:
 def build_dir() -> pathlib.Path:
     """Where this machine's build lives: ``$NVLLM_EXT_DIR`` or ``~/.cache/nvllm/ext``."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())

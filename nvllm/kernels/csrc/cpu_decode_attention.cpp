@@ -23,26 +23,12 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-
-inline void store(uint16_t* p, int64_t i, float v) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN aside).
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  p[i] = static_cast<uint16_t>(bits >> 16);
-}
+using nvllm_cpu::from_float;
+using nvllm_cpu::to_float;
 
 // Softmax numerators in place (exp(s - max)) over s[0..len); returns 1 / their sum.
 inline float exp_in_place(float* s, int64_t len) {
@@ -159,7 +145,7 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
   for (int g = 0; g < G; ++g) {
     const __m512 iv = _mm512_set1_ps(inv[g]);
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[g][c], iv));
-    for (int i = 0; i < D; ++i) store(out + g * out_head_stride, i, o[i]);
+    for (int i = 0; i < D; ++i) (out + g * out_head_stride)[i] = from_float<T>(o[i]);
   }
 }
 
@@ -185,14 +171,14 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
                 std::vector<float>& scores) {
   float qf[kMaxGroup][kMaxHeadDim];
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) qf[g][i] = load(q + g * q_head_stride, i) * scale;
+    for (int64_t i = 0; i < d; ++i) qf[g][i] = to_float((q + g * q_head_stride)[i]) * scale;
   scores.resize(static_cast<size_t>(group * len));
   float* s = scores.data();
   for (int64_t j = 0; j < len; ++j) {
     const T* kj = k + j * d;
     float kf[kMaxHeadDim];
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) kf[i] = load(kj, i);
+    for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kj[i]);
     for (int64_t g = 0; g < group; ++g) {
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -212,7 +198,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
     const T* vj = v + j * d;
     float vf[kMaxHeadDim];
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) vf[i] = load(vj, i);
+    for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vj[i]);
     for (int64_t g = 0; g < group; ++g) {
       const float p = s[g * len + j];
 #pragma omp simd
@@ -220,7 +206,8 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) store(out + g * out_head_stride, i, acc[g][i]);
+    for (int64_t i = 0; i < d; ++i)
+      (out + g * out_head_stride)[i] = from_float<T>(acc[g][i]);
 }
 
 template <typename T>

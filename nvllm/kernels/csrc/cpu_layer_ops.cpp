@@ -9,36 +9,14 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "bf16.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-
-inline float to_float(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename T>
-inline T from_float(float v);
-
-template <>
-inline float from_float<float>(float v) { return v; }
-
-template <>
-inline uint16_t from_float<uint16_t>(float v) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// What the reference's value becomes once stored in T (a no-op for float).
-template <typename T>
-inline float round_to(float v) { return to_float(from_float<T>(v)); }
+using nvllm_cpu::from_float;
+using nvllm_cpu::round_to;
+using nvllm_cpu::to_float;
 
 constexpr int64_t kMaxDim = 16384;
 
