@@ -44,14 +44,15 @@ class DecodeRows:
     """The step's decoding sequences that the native kernel serves, as the int64 vectors
     it reads: each one's row in the step's tokens, its copy's address and capacity, and
     its context length after this step. ``seqs`` are their indices in the step. The
-    kernel also writes their K/V into the paged cache, at ``slot_mapping[rows]``."""
+    kernel also writes their K/V into the paged cache, at ``slot_mapping[rows]``
+    (``slots``: taken by the step's first layer, which every other layer reuses)."""
 
     seqs: list[int]
-    all_rows: bool  # every row of the step is one of these (nothing else to store)
     rows: torch.Tensor
     bases: torch.Tensor
     caps: torch.Tensor
     lens: torch.Tensor
+    slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -129,7 +130,7 @@ class CpuKVStore:
         decode = None
         if dec[0]:
             rows, bases, caps, lens = (torch.tensor(c, dtype=torch.long) for c in dec[1:])
-            decode = DecodeRows(dec[0], len(dec[0]) == row, rows, bases, caps, lens)
+            decode = DecodeRows(dec[0], rows, bases, caps, lens)
         return StepViews(dst, keys, values, with_copy, decode)
 
     def _copy_for(self, seq_id: int, block_table: list[int], done: int,
@@ -171,7 +172,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     attend, reading each sequence's copy in place (or its pages, if it has none)."""
     views = meta.cpu_kv
     dec = views.decode
-    if dec is None or not dec.all_rows:  # (the kernel's rows are then stored twice: harmless)
+    # Decoding rows only (one token each): the kernel stores every row itself.
+    all_rows = dec is not None and len(dec.seqs) == q.shape[0]
+    if not all_rows:  # (the kernel's rows, if any, are then stored twice: harmless)
         reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     cu = meta.cu_seqlens_q_host
     lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
@@ -190,8 +193,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if dec is None:
         return reference.attend_runs(q, meta, scale, kv_of, lens)
     out = torch.empty_like(q)
-    slots = meta.slot_mapping if dec.all_rows else meta.slot_mapping[dec.rows]
-    cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, slots, dec.rows, dec.bases,
+    if dec.slots is None:
+        dec.slots = meta.slot_mapping if all_rows else meta.slot_mapping[dec.rows]
+    cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, dec.slots, dec.rows, dec.bases,
                              dec.caps, dec.lens, layer, scale)
     if len(dec.seqs) < meta.num_seqs:
         native = set(dec.seqs)
