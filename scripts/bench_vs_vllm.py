@@ -26,6 +26,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # vllm_peer sits beside this script
 
 
 def workload(args) -> tuple[list[list[int]], list[int]]:
@@ -85,7 +86,6 @@ def spawn(engine: str, python: str, args, dtype: str) -> dict:
            "--input", *map(str, args.input), "--output", *map(str, args.output),
            "--nvllm-threads", str(args.nvllm_threads)]
     if engine == "vllm":
-        sys.path.insert(0, str(HERE))
         from vllm_peer import peer_env
         env = peer_env()
     else:
@@ -104,7 +104,6 @@ def summary(values: list[float]) -> str:
 
 
 def parent(args) -> None:
-    sys.path.insert(0, str(HERE))
     from vllm_peer import ensure
 
     peer = str(ensure())
