@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nvllm.common.structured_outputs import StructuredOutputsParams
 from nvllm.common.utils import INT64_MAX, is_int, shown
 
 # Below this temperature, logits / T overflows float32: the sampler takes the argmax
@@ -32,6 +33,9 @@ class SamplingParams:
     stop: list[str] | None = None  # stop strings: the text ends before the first one found
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match this (a JSON schema, regex, grammar or choice): see
+    # nvllm/common/structured_outputs.py. A dict is accepted and converted.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the checkpoint's generation config, not by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -88,6 +92,16 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        try:
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"SamplingParams.{e}" if str(e).startswith("structured_outputs")
+                             else f"SamplingParams.structured_outputs: {e}") from None
+        if self.structured_outputs is not None and self.ignore_eos:
+            # A constrained output ends when its structure is complete, with EOS.
+            raise ValueError("SamplingParams.ignore_eos cannot be combined with "
+                             "structured_outputs: a constrained output ends with EOS once "
+                             "its structure is complete")
         lp = self.logprobs
         if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
@@ -103,7 +117,10 @@ class SamplingParams:
         return ids
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
