@@ -191,3 +191,39 @@ def test_zmq_client_constrained_requests_and_errors(served):
         err = raw.wait_map("big")
         assert err["code"] == "invalid_request" and "max_grammar_bytes" in err["message"]
     wait_idle(served.llm)
+
+
+def test_32_concurrent_requests_mixed_with_free_ones(served):
+    """16 constrained (every kind, greedy and sampled, streamed and whole) and 16 free
+    requests at once over one AsyncClient: every constrained output validates, every
+    free one has exactly the tokens it has alone."""
+    import asyncio
+
+    from nvllm import AsyncClient
+
+    free = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    prompts = [f"{PROMPTS[i % 4]} #{i}" for i in range(16)]
+    alone = [o.token_ids for o in served.llm.generate(prompts, SamplingParams(**free),
+                                                     use_tqdm=False)]
+    kinds = [("json", "regex", "choice")[i % 3] for i in range(16)]
+
+    async def main():
+        c = AsyncClient(served.endpoint, timeout_s=120)
+        try:
+            async def constrained(i):
+                p = {"max_tokens": 96, "structured_outputs": SPECS[kinds[i]]} | (
+                    {"temperature": 0.0} if i % 2 else {"temperature": 1.0, "seed": i})
+                if i % 4 < 2:
+                    return (await c.generate(prompts[i], p)).text
+                return "".join([d.text async for d in c.stream(prompts[i], p)])
+
+            return await asyncio.gather(*[constrained(i) for i in range(16)],
+                                        *[c.generate(q, free) for q in prompts])
+        finally:
+            c.close()
+
+    outs = asyncio.run(main())
+    for kind, text in zip(kinds, outs[:16]):
+        check(kind, text)
+    assert [o.token_ids for o in outs[16:]] == alone
+    wait_idle(served.llm)
