@@ -57,13 +57,15 @@ class ClientLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
     max_grammar_bytes: int = 64 << 10
+    max_logit_bias: int = 1024
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ClientLimits:
         return cls(config.max_model_len, config.max_request_id_bytes,
                    config.max_prompt_bytes or config.max_model_len * PROMPT_BYTES_PER_TOKEN,
                    config.max_n, config.max_stop_strings, config.max_stop_string_chars,
-                   config.max_stop_token_ids, config.max_grammar_bytes)
+                   config.max_stop_token_ids, config.max_grammar_bytes,
+                   config.max_logit_bias)
 
     @functools.cache  # noqa: B019 (frozen, hashable, a handful per process)
     def unpack_options(self) -> dict[str, int]:
@@ -74,7 +76,8 @@ class ClientLimits:
                           self.max_stop_string_chars * 4, self.max_grammar_bytes)
         longest_list = max(self.max_model_len, self.max_stop_token_ids, self.max_stop_strings)
         return {"max_str_len": 2 * longest_str + 1024, "max_bin_len": self.max_request_id_bytes,
-                "max_array_len": 2 * longest_list + 1024, "max_map_len": 64, "max_ext_len": 0}
+                "max_array_len": 2 * longest_list + 1024,
+                "max_map_len": 2 * self.max_logit_bias + 64, "max_ext_len": 0}
 
 
 DEFAULT_LIMITS = ClientLimits()
@@ -342,6 +345,10 @@ def _check_param_sizes(raw: dict, limits: ClientLimits, bad: Any) -> None:
                       f"{limits.max_stop_token_ids}")
         if not all(is_int(t) and 0 <= t <= INT64_MAX for t in ids):
             raise bad("stop_token_ids must be integers in [0, 2**63)")
+    bias = raw.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:
+        raise bad(f"logit_bias has {len(bias)} entries, more than max_logit_bias "
+                  f"{limits.max_logit_bias}")
     unknown = [k for k in raw if not isinstance(k, str)]
     if unknown:
         raise bad("params keys must be strings")

@@ -180,6 +180,7 @@ class EngineConfig:
     json_any_whitespace: bool = _setting(
         False, "Structured output: let JSON outputs hold free whitespace. Off: compact "
                "separators only, so a model can never emit whitespace until max_tokens.")
+    max_logit_bias: int = _setting(1024, "Most logit_bias entries per request.")
     max_plan_bytes: int = _setting(
         64 << 20, "Most bytes of new sequences (token ids, block tables) one step plan "
                   "carries; more wait for the next step. Keeps every plan far below the "

@@ -12,6 +12,11 @@ from nvllm.common.utils import INT64_MAX, is_int, shown
 # Below this temperature, logits / T overflows float32: the sampler takes the argmax
 # (as vLLM does), so such requests are greedy.
 GREEDY_BELOW = 1e-5
+# logit_bias: OpenAI's value range, and the most entries any request may carry (operators
+# set a lower per-request bound, ClientLimits.max_logit_bias; this one guards LLM(...) and
+# any other caller from a map the workers would rebuild every step).
+LOGIT_BIAS_MAX = 100.0
+LOGIT_BIAS_MAX_ENTRIES = 65536
 
 
 @dataclass(slots=True)
@@ -36,6 +41,9 @@ class SamplingParams:
     # The output must match this (a JSON schema, regex, grammar or choice): see
     # nvllm/common/structured_outputs.py. A dict is accepted and converted.
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit before penalties and temperature (OpenAI/vLLM); keys
+    # may be decimal strings (as JSON sends them) and become ints.
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine from the checkpoint's generation config, not by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -102,6 +110,8 @@ class SamplingParams:
             raise ValueError("SamplingParams.ignore_eos cannot be combined with "
                              "structured_outputs: a constrained output ends with EOS once "
                              "its structure is complete")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
         lp = self.logprobs
         if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
@@ -137,3 +147,30 @@ class SamplingParams:
         d = self.to_dict()
         d.update(changes)
         return SamplingParams(**d)
+
+
+def _checked_logit_bias(bias: Any) -> dict[int, float]:
+    """``bias`` as {token id: float}, or ValueError naming the field and the bound broken
+    (never a key or value the client sent: messages reach clients and logs)."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"SamplingParams.logit_bias: {why}")
+
+    if not isinstance(bias, dict):
+        raise bad(f"must be a map of token id to bias (got {shown(bias)})")
+    if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+        raise bad(f"has {len(bias)} entries, more than {LOGIT_BIAS_MAX_ENTRIES}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19:
+            k = int(k)  # JSON (and OpenAI clients) send the token ids as strings
+        if not is_int(k) or not 0 <= k <= INT64_MAX:
+            raise bad("keys must be token ids: integers (or decimal strings) in [0, 2**63)")
+        # The range check also refuses NaN and infinities (and needs no float conversion,
+        # which overflows on a huge int).
+        if (not isinstance(v, (int, float)) or isinstance(v, bool)
+                or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX):
+            raise bad(f"values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        if k in out:
+            raise bad("two keys name the same token id")
+        out[k] = float(v)
+    return out

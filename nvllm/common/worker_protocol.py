@@ -17,8 +17,9 @@ import msgpack
 from nvllm.common.errors import ProtocolError
 from nvllm.common.utils import is_int
 
-# Field type specs: "int", "float", "str", "bool", "any", "ints" (list of int),
-# "?int" (int or None), a message class (nested), or [cls] (list of nested).
+# Field type specs: "int", "float", "str", "bool", "any", "ints" (list of int), "floats"
+# (list of int or float, decoded as floats), "?int" (int or None), a message class
+# (nested), or [cls] (list of nested).
 
 
 @dataclass(slots=True)
@@ -38,8 +39,12 @@ class WorkerSampling:
     logprobs: int | None = None
     # Rank 0 masks the logits with this compiled grammar (sent before in LoadGrammars).
     grammar_key: str | None = None
+    # logit_bias as two parallel lists, ids unique and inside the vocabulary (the leader
+    # checked them): rank 0 adds them to the row as they are, with no map to rebuild.
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
     SPEC: ClassVar[tuple] = ("float", "float", "int", "float", "?int", "int", "ints",
-                             "float", "float", "float", "?int", "?str")
+                             "float", "float", "float", "?int", "?str", "ints", "floats")
 
 
 @dataclass(slots=True)
@@ -192,6 +197,7 @@ _CHECKS: dict[str, Any] = {
     "bool": lambda x: isinstance(x, bool),
     # type() is int: a C-speed check per element that also refuses bools.
     "ints": lambda x: type(x) is list and all(type(i) is int for i in x),
+    "floats": lambda x: type(x) is list and all(type(i) in (float, int) for i in x),
     "any": lambda x: True,
     "?refs": lambda x: x is None or (type(x) is list and all(_is_ref(r) for r in x)),
 }
@@ -209,7 +215,9 @@ def _dec(spec: Any, v: Any, where: str) -> Any:
                       for s, x, f in zip(spec.SPEC, v, dataclasses.fields(spec))])
     if not _CHECKS[spec](v):
         raise ProtocolError(f"{where}: expected {spec}, got {type(v).__name__}")
-    return float(v) if spec == "float" else v
+    if spec == "float":
+        return float(v)
+    return [float(x) for x in v] if spec == "floats" else v
 
 
 def decode(data: bytes, max_bytes: int = 1 << 30) -> Any:

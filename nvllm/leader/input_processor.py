@@ -82,6 +82,10 @@ class InputProcessor:
         if bad_stop:
             raise RequestRejected(f"stop_token_ids holds {len(bad_stop)} id(s) outside the "
                                   f"vocabulary (valid ids are 0..{self.vocab_size - 1})")
+        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad_bias:
+            raise RequestRejected(f"logit_bias holds {len(bad_bias)} id(s) outside the "
+                                  f"vocabulary (valid ids are 0..{self.vocab_size - 1})")
         if params.n > self.config.max_num_seqs:
             # Its completions could never run together (and a huge n is a cheap way to
             # make the leader build millions of sequences).

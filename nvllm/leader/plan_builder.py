@@ -24,7 +24,9 @@ def to_worker_sampling(p: SamplingParams, grammar_key: str | None = None
         repetition_penalty=float(p.repetition_penalty),
         presence_penalty=float(p.presence_penalty),
         frequency_penalty=float(p.frequency_penalty), logprobs=p.logprobs,
-        grammar_key=grammar_key)
+        grammar_key=grammar_key,
+        logit_bias_ids=list(p.logit_bias or ()),
+        logit_bias_values=list((p.logit_bias or {}).values()))
 
 
 class PlanBuilder:

@@ -261,8 +261,10 @@ class Scheduler:
 
 
 def new_seq_plan_bytes(seq: Sequence, block_size: int) -> int:
-    """An upper bound on a NewSeq's msgpack size: at most 9 bytes per integer (token ids,
-    block ids, stop token ids) plus the fixed fields."""
+    """An upper bound on a NewSeq's msgpack size: at most 9 bytes per integer or float
+    (token ids, block ids, stop token ids, logit_bias ids and values) plus the fixed
+    fields."""
     num_ints = (seq.num_tokens + cdiv(seq.num_tokens, block_size)
-                + len(seq.params.stop_token_ids or ()) + len(seq.params.eos_token_ids))
+                + len(seq.params.stop_token_ids or ()) + len(seq.params.eos_token_ids)
+                + 2 * len(seq.params.logit_bias or ()))
     return 9 * num_ints + 128

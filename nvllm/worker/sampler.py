@@ -1,10 +1,17 @@
 """Token sampling on rank 0 from full-vocabulary float32 logits.
 
-Order (as vLLM): grammar mask (structured output) -> penalties -> min_tokens mask ->
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw. Returned logprobs are
-the model's own (log_softmax of the raw logits, before the mask and every other step).
-A seeded sequence draws from a generator keyed by (seed, output position), so its tokens
-do not depend on what else is in the batch, nor on preemption.
+Order (as vLLM v1, whose grammar bitmask comes first and whose logits processors run
+before its penalties): grammar mask (structured output) -> logit_bias -> min_tokens mask
+-> penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw.
+Returned logprobs are the model's own (log_softmax of the raw logits, before the mask,
+the bias and every other step; vLLM's default ``raw_logprobs``): a bias changes which
+token is picked, not the logprobs reported. A seeded sequence draws from a generator
+keyed by (seed, output position), so its tokens do not depend on what else is in the
+batch, nor on preemption.
+
+Plain greedy rows (no penalty, no pending min_tokens) take one batched argmax, their
+logit_bias added first on a copy of just those rows, so a biased greedy request does not
+push the rest of the batch onto the per-row path.
 """
 
 from __future__ import annotations
@@ -26,6 +33,14 @@ class SampleRequest:
     token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained sequence
+
+
+def _apply_bias(row: torch.Tensor, p: WorkerSampling) -> torch.Tensor:
+    if p.logit_bias_ids:
+        # Ids are unique (a map's keys) and inside the vocabulary (the leader checked).
+        row[torch.tensor(p.logit_bias_ids, dtype=torch.long, device=row.device)] += \
+            torch.tensor(p.logit_bias_values, dtype=row.dtype, device=row.device)
+    return row
 
 
 def _apply_penalties(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
@@ -69,6 +84,7 @@ def _generator(seed: int, position: int) -> torch.Generator:
 
 
 def _needs_row_work(req: SampleRequest) -> bool:
+    """Whether the row needs more than a (biased) argmax."""
     p = req.params
     return (p.temperature >= GREEDY_BELOW or p.repetition_penalty != 1.0
             or bool(p.presence_penalty) or bool(p.frequency_penalty)
@@ -94,10 +110,16 @@ class Sampler:
             wants_raw = any(r.params.logprobs is not None for r in reqs)
             logits = apply_masks(logits.clone() if wants_raw else logits,
                                  [r.matcher for r in reqs])
-        if not any(_needs_row_work(r) for r in reqs):
-            tokens = logits.argmax(dim=-1).tolist()  # all plain greedy: one batched argmax
-        else:
-            tokens = [self._sample_row(logits[i].clone(), req) for i, req in enumerate(reqs)]
+        plain = [i for i, r in enumerate(reqs) if not _needs_row_work(r)]
+        tokens: list[int] = [0] * len(reqs)
+        if plain:
+            for i, t in zip(plain, self._greedy_rows(logits, reqs, plain)):
+                tokens[i] = t
+        if len(plain) < len(reqs):
+            done = set(plain)
+            for i, req in enumerate(reqs):
+                if i not in done:
+                    tokens[i] = self._sample_row(logits[i].clone(), req)
         logprobs = None
         if any(r.params.logprobs is not None for r in reqs):
             lp = torch.log_softmax(raw, dim=-1)
@@ -113,9 +135,29 @@ class Sampler:
                 logprobs.append([float(lp[i, tokens[i]]), pairs])
         return tokens, logprobs
 
+    @staticmethod
+    def _greedy_rows(logits: torch.Tensor, reqs: list[SampleRequest], rows: list[int]
+                     ) -> list[int]:
+        """One batched argmax over `rows` (all of them plain greedy), each row's logit_bias
+        added first with one index_put on a copy, so `logits` is not written."""
+        x = logits if len(rows) == len(reqs) else logits[rows]  # a subset: a copy already
+        biased = [(j, reqs[i].params) for j, i in enumerate(rows)
+                  if reqs[i].params.logit_bias_ids]
+        if biased:
+            if x is logits:
+                x = logits.clone()
+            r = [j for j, p in biased for _ in p.logit_bias_ids]
+            c = [t for _, p in biased for t in p.logit_bias_ids]
+            v = [b for _, p in biased for b in p.logit_bias_values]
+            dev = x.device
+            x.index_put_((torch.tensor(r, dtype=torch.long, device=dev),
+                          torch.tensor(c, dtype=torch.long, device=dev)),
+                         torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
+        return x.argmax(dim=-1).tolist()
+
     def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
         p = req.params
-        row = _apply_penalties(row, req)
+        row = _apply_bias(row, p)
         n_out = len(req.token_ids) - req.num_prompt_tokens
         if n_out < p.min_tokens and p.stop_token_ids:
             ids = [t for t in p.stop_token_ids if t < row.shape[0]]
@@ -125,6 +167,7 @@ class Sampler:
                 # The grammar allows only a stop token: the structure is complete, and
                 # ends the output before min_tokens rather than leave nothing to sample.
                 row[ids] = kept
+        row = _apply_penalties(row, req)
         if p.temperature < GREEDY_BELOW:
             return int(torch.argmax(row))
         probs = _filter(row / p.temperature, p).softmax(-1)

@@ -105,3 +105,14 @@ def test_a_lost_leader_fails_live_streams(leader, monkeypatch):
         with pytest.raises(EngineDeadError, match="lost the connection"):
             next(stream)
         assert time.monotonic() - t0 < 10  # not timeout_s (60 s)
+
+
+@pytest.mark.parametrize("params", [
+    client_module.SamplingParams(logit_bias={5: 2.0, 70000: -100.0}),  # int keys on the wire
+    {"logit_bias": {"5": 2, "70000": -100}},  # a JSON-style map as given: the leader converts
+], ids=["SamplingParams", "dict"])
+def test_submits_carry_logit_bias_as_the_leader_decodes_it(params):
+    from nvllm.common import client_protocol as cp
+
+    frame = client_module._submit_msg("r", [1, 2], params, 0, None, stream=True)
+    assert cp.decode_client_frame(frame).params.logit_bias == {5: 2.0, 70000: -100.0}

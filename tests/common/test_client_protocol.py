@@ -43,8 +43,8 @@ def test_the_protocol_doc_lists_every_type_and_field(section, types):
 
 def test_client_messages_round_trip():
     sub = cp.Submit("r1", None, [5, 6], SamplingParams(temperature=0, max_tokens=3,
-                                                       stop=["x"]), priority=-2, ttl_ms=250.0,
-                    stream=False)
+                                                       stop=["x"], logit_bias={9: -2.5}),
+                    priority=-2, ttl_ms=250.0, stream=False)
     assert cp.decode_client_frame(cp.encode(sub)) == sub
     for msg in (cp.Abort(7), cp.InfoRequest(), cp.HealthRequest(), cp.MetricsRequest(),
                 cp.Ping()):
@@ -112,7 +112,7 @@ def test_clients_skip_malformed_leader_frames():
 
 LIMITS = cp.ClientLimits(max_model_len=64, max_request_id_bytes=32, max_prompt_bytes=256,
                          max_n=4, max_stop_strings=2, max_stop_string_chars=8,
-                         max_stop_token_ids=3, max_grammar_bytes=512)
+                         max_stop_token_ids=3, max_grammar_bytes=512, max_logit_bias=8)
 
 
 def _submit(**fields) -> bytes:
@@ -135,6 +135,12 @@ def _submit(**fields) -> bytes:
     (_submit(params={"stop_token_ids": [1, 2, 3, 4]}), "invalid_request",
      "max_stop_token_ids 3"),
     (_submit(params={"stop_token_ids": [2**64 - 1]}), "invalid_request", "2**63"),
+    (_submit(params={"logit_bias": {i: 1.0 for i in range(9)}}), "invalid_request",
+     "logit_bias has 9 entries, more than max_logit_bias 8"),
+    (_submit(params={"logit_bias": {-1: 1.0}}), "invalid_request", "logit_bias: keys"),
+    (_submit(params={"logit_bias": {5: 101}}), "invalid_request", "[-100, 100]"),
+    (_submit(params={"logit_bias": {5: "x"}}), "invalid_request", "[-100, 100]"),
+    (_submit(params={"logit_bias": [5]}), "invalid_request", "logit_bias: must be a map"),
     (_submit(priority=2**64 - 1), "invalid_request", "int64"),
     # Containers beyond msgpack's own limits never decode at all.
     (_submit(params={"stop_token_ids": [1] * 100_000}), "bad_frame", "limits"),
@@ -150,6 +156,7 @@ def _submit(**fields) -> bytes:
     (_submit(params={"structured_outputs": {"json": "{not json"}}), "invalid_request",
      "structured_outputs.json: is not valid JSON text"),
     (_submit(params={f"k{i}": i for i in range(100)}), "bad_frame", "limits"),
+    (_submit(params={"logit_bias": {i: 1.0 for i in range(100)}}), "bad_frame", "limits"),
 ])
 def test_limits_are_checked_on_decode(frame, code, words):
     with pytest.raises(cp.ClientProtocolError) as e:
@@ -157,12 +164,27 @@ def test_limits_are_checked_on_decode(frame, code, words):
     assert e.value.code == code and words in e.value.message, e.value.message
 
 
+def test_logit_bias_up_to_the_limit_decodes_with_int_keys():
+    # msgpack keeps int keys (the Python clients send them so); JSON-style string keys
+    # from other clients become ints too.
+    for bias in ({i: 1.5 for i in range(cp.DEFAULT_LIMITS.max_logit_bias)},
+                 {str(i): -1 for i in range(cp.DEFAULT_LIMITS.max_logit_bias)}):
+        sub = cp.decode_client_frame(_submit(params={"logit_bias": bias}))
+        assert sub.params.logit_bias == {int(k): float(v) for k, v in bias.items()}
+        assert all(type(k) is int for k in sub.params.logit_bias)
+    # Far past the limit (more than msgpack's map bound) it never decodes.
+    with pytest.raises(cp.ClientProtocolError) as e:
+        cp.decode_client_frame(_submit(params={"logit_bias": {i: 1.0 for i in range(5000)}}))
+    assert e.value.code == "bad_frame"
+
+
 def test_limits_follow_the_engine_config(tiny):
     from nvllm.common.config import EngineConfig
 
-    config = EngineConfig(tiny("qwen3"), device="cpu", max_n=3).finalize()
+    config = EngineConfig(tiny("qwen3"), device="cpu", max_n=3, max_logit_bias=5).finalize()
     limits = cp.ClientLimits.from_config(config)
     assert limits.max_n == 3 and limits.max_model_len == config.max_model_len
+    assert limits.max_logit_bias == 5
     assert limits.max_prompt_bytes == cp.PROMPT_BYTES_PER_TOKEN * config.max_model_len
 
 

@@ -128,3 +128,45 @@ def test_all_stop_token_ids_honours_ignore_eos():
     assert SamplingParams().all_stop_token_ids() == set()
     assert SamplingParams().clone(eos_token_ids=[2]).all_stop_token_ids() == {2}
     assert SamplingParams(ignore_eos=True).clone(eos_token_ids=[2]).all_stop_token_ids() == set()
+
+
+def test_logit_bias_takes_decimal_string_keys_as_json_sends_them():
+    p = SamplingParams(logit_bias={"5": 10, 7: -100.0, "0": 0.5})
+    assert p.logit_bias == {5: 10.0, 7: -100.0, 0: 0.5}
+    assert all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
+    assert SamplingParams().logit_bias is None and SamplingParams(logit_bias={}).logit_bias == {}
+    assert SamplingParams.from_dict(p.to_dict()) == p and p.clone(n=2).logit_bias == p.logit_bias
+
+
+SECRET_KEY = "tok-SECRET-9"
+
+
+@pytest.mark.parametrize("bias,words", [
+    ({"-1": 1}, "keys must be token ids"),
+    ({-1: 1}, "keys must be token ids"),
+    ({SECRET_KEY: 1}, "keys must be token ids"),
+    ({"٣": 1}, "keys must be token ids"),  # a Unicode digit int() would take
+    ({2**63: 1}, "keys must be token ids"),
+    ({1.0: 1}, "keys must be token ids"),
+    ({True: 1}, "keys must be token ids"),
+    ({5: 100.5}, "[-100, 100]"),
+    ({5: -101}, "[-100, 100]"),
+    ({5: math.nan}, "[-100, 100]"),
+    ({5: math.inf}, "[-100, 100]"),
+    ({5: 10**400}, "[-100, 100]"),  # no OverflowError from a float conversion
+    ({5: True}, "[-100, 100]"),
+    ({5: "1"}, "[-100, 100]"),
+    ({"5": 1, "05": 2}, "same token id"),
+    ([[5, 1.0]], "must be a map"),
+    ({i: 1.0 for i in range(65537)}, "more than 65536"),
+])
+def test_bad_logit_bias_is_named_and_never_echoed(bias, words):
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(logit_bias=bias)
+    msg = str(ei.value)
+    assert msg.startswith("SamplingParams.logit_bias:") and words in msg, msg
+    assert "SECRET" not in msg and len(msg) < 200
+
+
+def test_logit_bias_of_65536_entries_is_accepted():
+    assert len(SamplingParams(logit_bias={i: 1.0 for i in range(65536)}).logit_bias) == 65536

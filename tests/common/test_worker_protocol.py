@@ -31,7 +31,8 @@ def _plan() -> StepPlan:
     s2 = WorkerSampling(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=2**63 - 1,
                         min_tokens=3, stop_token_ids=[2, 70000], repetition_penalty=1.1,
                         presence_penalty=-0.5, frequency_penalty=1.5, logprobs=5,
-                        grammar_key="json-0123abcd")
+                        grammar_key="json-0123abcd",
+                        logit_bias_ids=[3, 150000], logit_bias_values=[-100.0, 0.5])
     return StepPlan(
         step_id=17,
         new_seqs=[
@@ -80,6 +81,12 @@ def test_round_trip(msg):
             assert type(a) is NewSeq and type(a.sampling) is WorkerSampling
         for a in out.running:
             assert type(a) is RunningSeq
+
+
+def test_float_lists_take_ints_and_decode_as_floats():
+    # msgpack packs 2.0 as a float, but a foreign encoder may send 2: both mean a bias.
+    values = decode(_mutated((2, 1, 6, 13), [2, -0.5])).new_seqs[1].sampling.logit_bias_values
+    assert values == [2.0, -0.5] and all(type(v) is float for v in values)
 
 
 def test_every_kind_is_covered():
@@ -146,7 +153,10 @@ def test_rejects_unknown_kind(kind):
     [StepPlan.KIND, 1, [], []],
     [StepPlan.KIND, 1, [], [[1, 1]], []],  # RunningSeq with 2 of 3 fields
     [StepPlan.KIND, 1, [], [[1, 1, [2], [3]]], []],  # RunningSeq with 4 of 3 fields
-    [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0], [0.0] * 10]], [], []],  # WorkerSampling 10/11
+    [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0], [0.0] * 10]], [], []],  # WorkerSampling 10/14
+    # WorkerSampling as before logit_bias: 12 of 14 fields
+    [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0], [0.0, 1.0, 0, 0.0, None, 0, [], 1.0, 0.0,
+                                                0.0, None, None]]], [], []],
     [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0]]], [], []],  # NewSeq without its sampling
 ])
 def test_rejects_wrong_field_count(frame):
@@ -184,6 +194,10 @@ def _mutated(path: tuple, value) -> bytes:
     ((2, 0, 6, 2), 0.0),  # WorkerSampling.top_k: float where int
     ((2, 0, 6, 4), 1.5),  # WorkerSampling.seed: ?int
     ((2, 0, 6, 6), [1.0]),  # WorkerSampling.stop_token_ids
+    ((2, 0, 6, 12), [3.0, 4.0]),  # WorkerSampling.logit_bias_ids: floats where ints
+    ((2, 0, 6, 13), [1.0, True]),  # WorkerSampling.logit_bias_values: a bool
+    ((2, 0, 6, 13), [1.0, "2"]),  # a str
+    ((2, 0, 6, 13), 1.0),  # not a list
     ((3, 0, 1), True),  # RunningSeq.num_new_tokens: bool where int
     ((3, 1, 2), "11"),  # RunningSeq.new_block_ids
     ((3, 1, 2), [11.0]),  # RunningSeq.new_block_ids: a float among ints

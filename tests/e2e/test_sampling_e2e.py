@@ -102,3 +102,24 @@ def test_a_repeated_prompt_reports_cached_tokens(llm, model):
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens >= len(ids) - 8 > 0
     assert second.token_ids == first.token_ids
+
+
+def test_logit_bias_forces_its_row_only_and_logprobs_stay_raw(llm, model, prompts, greedy):
+    """One batch: prompt 0 with logit_bias {t: +100} (t a token greedy never picks) gives t
+    at every step, with the logprobs of the unbiased model; prompt 1, unbiased, gives what
+    it gives alone. A -100 bias on prompt 1's first greedy token makes it pick another."""
+    t = next(t for t in range(300, 1000) if t not in greedy[0])
+    both = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        logit_bias={str(t): 100}, logprobs=1),
+         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)],
+        use_tqdm=False)
+    assert both[0].token_ids == [t] * MAX_TOKENS
+    assert both[1].token_ids == gen(llm, prompts[1:], temperature=0)[0] == greedy[1]
+    ref = hf_ref.logprobs(model, prompts[0], both[0].token_ids)
+    for pos, lps in enumerate(both[0].outputs[0].logprobs):
+        assert lps[t] == pytest.approx(float(ref[pos, t]), abs=1e-4), pos
+        assert lps[t] < float(ref[pos].max()), "t must not be the model's own pick"
+    banned = gen(llm, prompts[1:], temperature=0, logit_bias={greedy[1][0]: -100})[0]
+    assert banned[0] != greedy[1][0]

@@ -445,3 +445,19 @@ def test_a_flood_of_bad_frames_is_logged_at_a_bounded_rate(served, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "nvllm.leader.server"]
     assert sum(": bad_frame: " in m for m in lines) == 11  # 10 of the burst, then the next
     assert any("and 15 more error replies" in m for m in lines)
+
+
+def test_logit_bias_through_the_zmq_client(served):
+    """nvllm.Client sends SamplingParams' int keys, or a dict's JSON-style string keys as
+    given; both force the token at every step, and a bad one is named."""
+    with RawClient(served.endpoint, timeout_s=60) as c:
+        plain = c.generate("Once upon a time", GREEDY).token_ids
+        t = next(t for t in range(300, 1000) if t not in plain)
+        params = SamplingParams(**GREEDY, logit_bias={t: 100.0})
+        assert c.generate("Once upon a time", params).token_ids == [t] * 16
+        assert c.generate("Once upon a time",
+                          {**GREEDY, "logit_bias": {str(t): 100}}).token_ids == [t] * 16
+        with pytest.raises(RequestRejected, match="logit_bias holds 1 id"):
+            c.generate("Once upon a time", {**GREEDY, "logit_bias": {10**9: 1}})
+        assert c.generate("Once upon a time", GREEDY).token_ids == plain
+    wait_idle(served.llm)

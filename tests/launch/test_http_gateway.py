@@ -327,6 +327,22 @@ BAD_BODIES = [
      "invalid_value", r"^messages\.0\.role: Field required"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs",
      "invalid_value", r"^top_logprobs needs logprobs: true$"),
+    # logit_bias: messages name the field and the bound, never a key the client sent.
+    *((route, {**body, "logit_bias": bias}, 400, "logit_bias", "invalid_value", message)
+      for route, body in (("/v1/completions", {"prompt": "hi"}),
+                          ("/v1/chat/completions", {"messages": MESSAGES}))
+      for bias, message in (
+          ({"tok-SECRET": 1}, r"^logit_bias: .*keys must be token ids: decimal strings"),
+          ({"-5": 1}, r"^logit_bias: .*keys must be token ids"),
+          ({"4294967296": 1}, r"^logit_bias: .*keys must be token ids"),
+          ({"5": 100.5}, r"^logit_bias: .*values must be numbers in \[-100, 100\]$"),
+          ({"5": -101}, r"^logit_bias: .*values must be numbers in \[-100, 100\]$"),
+          ({"5": True}, r"^logit_bias: .*values must be numbers in \[-100, 100\]$"),
+          ({"5": "1"}, r"^logit_bias: .*values must be numbers in \[-100, 100\]$"),
+          ({str(i): 1 for i in range(1025)}, r"^logit_bias: .*at most 1024 items"),
+          ([[5, 1]], r"^logit_bias: .*valid dictionary"))),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5000": 1}}, 400, None, "rejected",
+     r"^logit_bias holds 1 id\(s\) outside the vocabulary"),  # (leader)
 ]
 
 
@@ -342,6 +358,7 @@ def test_invalid_requests_get_openai_errors(server, route, body, status, param, 
     assert err["type"] == "invalid_request_error"
     assert (err["param"], err["code"]) == (param, code), err
     assert re.search(message, err["message"]), err["message"]
+    assert "SECRET" not in err["message"]
 
 
 def test_errors_through_the_openai_client_and_server_keeps_serving(server, offline):
@@ -527,6 +544,11 @@ def test_sampling_parameters_reach_the_engine(server, tokenizer):
     for pen in ({"frequency_penalty": 1.5}, {"presence_penalty": 1.5}):
         want = dec(hf_ref.greedy(server.model, ids, n, **pen))
         assert text(temperature=0, ignore_eos=True, **pen) == want != greedy, pen
+    # logit_bias +100 on a token greedy never picks: every token is that one.
+    plain = hf_ref.greedy(server.model, ids, n)
+    forced = next(t for t in range(300, 1000) if t not in plain)  # a merge: whole text
+    got = text(temperature=0, ignore_eos=True, logit_bias={str(forced): 100})
+    assert got == dec([forced] * n) != greedy
 
 
 def test_repeated_prompts_report_cached_tokens(server, tokenizer):
@@ -623,6 +645,11 @@ FORWARDED = [  # (route, body beyond COMMON and ROUTING, what params must hold b
     ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 8, "stop": "cd",
                               "logprobs": True},
      {"max_tokens": 8, "stop": ["cd"], "logprobs": 0}),
+    # JSON's string keys become the token ids the leader takes.
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10, "17": -100.0}},
+     {"logit_bias": {5: 10.0, 17: -100.0}}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"0": 0.5}},
+     {"logit_bias": {0: 0.5}}),
 ]
 
 

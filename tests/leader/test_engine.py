@@ -38,7 +38,8 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
                             max_tokens=6, min_tokens=2, stop_token_ids=[41, 17],
                             repetition_penalty=1.25, presence_penalty=0.5,
                             frequency_penalty=-0.25, logprobs=3,
-                            structured_outputs={"regex": "[a-z ]+"})
+                            structured_outputs={"regex": "[a-z ]+"},
+                            logit_bias={"9": -100, 130: 2.5})
     no_eos = params.clone(ignore_eos=True, n=2, seed=77, structured_outputs=None)
     req = submit(engine, prompt_token_ids=prompt_ids(0, 5), params=params)
     req2 = submit(engine, prompt_token_ids=prompt_ids(10, 5), params=no_eos)
@@ -48,7 +49,8 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
         temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234, min_tokens=2,
         stop_token_ids=sorted({41, 17, *eos}), repetition_penalty=1.25,
         presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3,
-        grammar_key=engine.grammars.key(params.structured_outputs))
+        grammar_key=engine.grammars.key(params.structured_outputs),
+        logit_bias_ids=[9, 130], logit_bias_values=[-100.0, 2.5])
     # The test covers every field: none of them may be left at its default.
     for f in dataclasses.fields(protocol.WorkerSampling):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -65,6 +67,23 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     # The compiled grammar went to rank 0 once, before the plan that needs it.
     (load,) = [m for m in workers.other if isinstance(m, protocol.LoadGrammars)]
     assert load.keys == [want.grammar_key] and load.tokenizer_info and not load.drop
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "logit_bias"])
+def test_token_ids_outside_the_vocabulary_are_rejected_and_not_echoed(make_engine, field):
+    from nvllm.common.errors import RequestRejected
+
+    engine, workers = make_engine()
+    vocab = engine.vocab_size
+    ids = [5, vocab, vocab + 12345]
+    value = ids if field == "stop_token_ids" else {t: 1.0 for t in ids}
+    with pytest.raises(RequestRejected) as e:
+        submit(engine, prompt_token_ids=prompt_ids(0, 3),
+               params=SamplingParams(max_tokens=2, **{field: value}))
+    msg = str(e.value)
+    assert msg.startswith(f"{field} holds 2 id(s) outside the vocabulary"), msg
+    assert str(vocab + 12345) not in msg
+    assert not workers.plans
 
 
 # ---- prefix caching -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The rank-0 sampler: greedy, filters, penalties, min_tokens, seeding, distribution,
-logprobs."""
+"""The rank-0 sampler: greedy, filters, penalties, min_tokens, logit_bias, seeding,
+distribution, logprobs."""
 
 from __future__ import annotations
 
@@ -252,6 +252,78 @@ def test_unseeded_distribution_matches_softmax(temperature):
 def test_tiny_temperature_behaves_like_greedy():
     logits = [1.0, 5.0, 3.0, 2.0]
     assert sample(logits, [req(temperature=1e-38)])[0] == [1]
+
+
+# --- logit_bias ----------------------------------------------------------------------
+
+
+def bias(mapping: dict[int, float]) -> dict:
+    return {"logit_bias_ids": list(mapping), "logit_bias_values": list(mapping.values())}
+
+
+def test_logit_bias_in_the_batched_greedy_path_changes_only_its_rows():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    plain = logits.argmax(-1).tolist()
+    forced = [t for t in range(50) if t not in plain][:2]
+    reqs = [req(temperature=0.0), req(temperature=0.0, **bias({forced[0]: 100.0})),
+            req(temperature=0.0, logprobs=2),
+            req(temperature=0.0, logprobs=2, **bias({forced[1]: 100.0, plain[3]: -100.0})),
+            req(temperature=0.0, **bias({plain[4]: 1e-3}))]  # too small to matter
+    tokens, lps = Sampler(0)(logits, reqs)
+    assert tokens == [plain[0], forced[0], plain[2], forced[1], plain[4]]
+    assert torch.equal(logits, before)
+    # Logprobs are the raw logits', the biased pick included.
+    raw = torch.log_softmax(before, -1)
+    assert lps[3][0] == pytest.approx(float(raw[3, forced[1]]))
+    assert [t for t, _ in lps[3][1]] == torch.topk(raw[3], 2).indices.tolist()
+    assert lps[0] is None and lps[2][0] == pytest.approx(float(raw[2].max()))
+
+
+def test_minus_100_bans_the_top_token_greedy_and_sampled():
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0]]).expand(400, 4).contiguous()
+    ban = bias({1: -100.0})
+    assert sample(logits[:1], [req(temperature=0.0, **ban)])[0] == [2]
+    tokens, _ = Sampler(0)(logits, [req(temperature=1.0, **ban)] * 400)
+    assert 1 not in tokens and 2 in tokens
+
+
+def test_plus_100_forces_a_token_under_sampling():
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(4))
+    tokens, _ = Sampler(0)(logits, [req(temperature=1.0, seed=s, **bias({17: 100.0}))
+                                    for s in range(64)])
+    assert tokens == [17] * 64
+
+
+def test_logit_bias_shifts_the_sampled_distribution():
+    # +ln 3 on token 0 of a uniform pair: probabilities 3/4 and 1/4.
+    n = 4000
+    logits = torch.zeros(n, 2)
+    tokens, _ = Sampler(0)(logits, [req(temperature=1.0, **bias({0: 1.0986123}))] * n)
+    assert counts_of(tokens, 2)[0] == pytest.approx(0.75, abs=0.03)
+
+
+def test_logit_bias_comes_before_penalties():
+    # Token 0: 1.0 + 1.0 = 2.0, then / 4 (seen, repetition_penalty 4) = 0.5 < 0.6: token 1.
+    # Penalty first would give 1.0 / 4 + 1.0 = 1.25 and pick token 0.
+    logits = torch.tensor([1.0, 0.6, 0.0])
+    r = req(prompt=[0], temperature=0.0, repetition_penalty=4.0, **bias({0: 1.0}))
+    assert sample(logits, [r])[0] == [1]
+
+
+def test_batched_and_per_row_greedy_agree_on_biased_rows():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 40, generator=g)
+    biases = [bias({int(t): float(v) for t, v in zip(torch.randperm(40, generator=g)[:6],
+                                                     torch.rand(6, generator=g) * 6 - 3)})
+              for _ in range(8)]
+    batched, _ = Sampler(0)(logits, [req(temperature=0.0, **b) for b in biases])
+    # A row needing row work (pending min_tokens, no stop ids) sends the rest through the
+    # subset path, and itself through the per-row path.
+    mixed, _ = Sampler(0)(logits, [req(temperature=0.0, min_tokens=1 if i == 0 else 0, **b)
+                                   for i, b in enumerate(biases)])
+    assert batched == mixed
+    assert batched != logits.argmax(-1).tolist(), "the biases must change a pick"
 
 
 # --- logprobs ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nvllm.launch.openai.errors import ApiError, from_validation
 
@@ -29,6 +29,7 @@ MAX_PROMPT_TOKEN_IDS = 1 << 20  # ids in one token-id prompt
 MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 1024  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (the leader's own bound is --max-logit-bias)
 MAX_N = 128
 MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat)
 MAX_MESSAGES = 4096
@@ -41,7 +42,6 @@ PARSE_INLINE_BYTES = 64 << 10  # bigger bodies are parsed in a worker thread
 # name -> the values that change nothing (sent by clients that fill in defaults); any other
 # value gets 400 naming the field. best_of is accepted only equal to n (checked below).
 UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -119,6 +119,26 @@ class SamplingBody(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # OpenAI's: token id (a decimal string, as JSON keys are) -> a bias in [-100, 100].
+    # Checked whole below, so an error names logit_bias, never a key the client sent.
+    logit_bias: dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys_and_bounded_values(cls, v: dict[str, Any] | None
+                                          ) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        if not all(k.isascii() and k.isdigit() and len(k) <= 10 and int(k) <= MAX_INT32
+                   for k in v):
+            raise ValueError(f"keys must be token ids: decimal strings of integers in "
+                             f"[0, {MAX_INT32}]")
+        # Not bool (an int to Python); the range check also refuses inf from 1e400.
+        if not all(type(x) in (int, float) and -100 <= x <= 100 for x in v.values()):
+            raise ValueError("values must be numbers in [-100, 100]")
+        if len({int(k) for k in v}) < len(v):
+            raise ValueError("two keys name the same token id")
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -327,4 +347,6 @@ def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int) -> 
         p["stop"] = stop
     if logprobs is not None:
         p["logprobs"] = logprobs
+    if body.logit_bias:  # {} changes nothing: not sent
+        p["logit_bias"] = {int(k): float(v) for k, v in body.logit_bias.items()}
     return p

@@ -103,7 +103,7 @@ def test_body_is_read_incrementally_and_stops_at_the_limit():
 
 # ---- refused, ignored and unknown fields -----------------------------------------------------
 
-REFUSED = {"logit_bias": {"5": 10}, "response_format": {"type": "json_object"},
+REFUSED = {"response_format": {"type": "json_object"},
            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
            "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": False,
            "suffix": "end", "best_of": 3, "echo": True, "prediction": {"type": "content"},
