@@ -42,7 +42,8 @@ _UNION_FORMS = {"prompt": "a string, a list of token ids, or a non-empty list of
                 "tool_choice": '"none", "auto", "required" or {"type": "function", '
                                '"function": {"name": ...}}',
                 "guided_json": "a JSON schema (an object or its JSON text)",
-                "json": "a JSON schema (an object or its JSON text)"}
+                "json": "a JSON schema (an object or its JSON text)",
+                "schema": "a JSON schema (an object or its JSON text)"}
 
 
 def _path(loc: tuple) -> str:
