@@ -38,7 +38,8 @@ def worker_pids_of(parent: int) -> list[int]:
     pids = []
     for line in out.splitlines():
         pid, ppid, stat, args = line.split(None, 3)
-        is_worker = "nvllm.worker.main" in args or args.startswith("nvllm-worker-")
+        is_worker = ("nvllm.worker.main" in args or args.startswith("nvllm-worker-")
+                     or "nvllm.leader.grammar_compiler" in args)
         if int(ppid) == parent and is_worker and not stat.startswith("Z"):
             pids.append(int(pid))
     return pids

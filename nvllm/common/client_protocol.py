@@ -19,6 +19,7 @@ import msgpack
 
 from nvllm.common.outputs import CompletionDelta
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.structured_outputs import KINDS
 from nvllm.common.utils import INT64_MAX, is_int, shown
 
 if TYPE_CHECKING:
@@ -55,13 +56,14 @@ class ClientLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
+    max_grammar_bytes: int = 64 << 10
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ClientLimits:
         return cls(config.max_model_len, config.max_request_id_bytes,
                    config.max_prompt_bytes or config.max_model_len * PROMPT_BYTES_PER_TOKEN,
                    config.max_n, config.max_stop_strings, config.max_stop_string_chars,
-                   config.max_stop_token_ids)
+                   config.max_stop_token_ids, config.max_grammar_bytes)
 
     @functools.cache  # noqa: B019 (frozen, hashable, a handful per process)
     def unpack_options(self) -> dict[str, int]:
@@ -69,7 +71,7 @@ class ClientLimits:
         beyond them fails to decode (bad_frame) before anything is built from it, one
         just beyond gets the error that names the field."""
         longest_str = max(self.max_prompt_bytes, self.max_request_id_bytes,
-                          self.max_stop_string_chars * 4)
+                          self.max_stop_string_chars * 4, self.max_grammar_bytes)
         longest_list = max(self.max_model_len, self.max_stop_token_ids, self.max_stop_strings)
         return {"max_str_len": 2 * longest_str + 1024, "max_bin_len": self.max_request_id_bytes,
                 "max_array_len": 2 * longest_list + 1024, "max_map_len": 64, "max_ext_len": 0}
@@ -343,6 +345,21 @@ def _check_param_sizes(raw: dict, limits: ClientLimits, bad: Any) -> None:
     unknown = [k for k in raw if not isinstance(k, str)]
     if unknown:
         raise bad("params keys must be strings")
+    _check_structured_size(raw.get("structured_outputs"), limits, bad)
+
+
+def _check_structured_size(so: Any, limits: ClientLimits, bad: Any) -> None:
+    """A structured_outputs spec's text (or its choices, together) within
+    max_grammar_bytes; its shape is StructuredOutputsParams' to check."""
+    if not isinstance(so, dict):
+        return
+    for kind, v in so.items():
+        parts = v if isinstance(v, list) else [v]
+        size = sum(len(x.encode("utf-8", "surrogatepass")) for x in parts if isinstance(x, str))
+        if size > limits.max_grammar_bytes:
+            name = f"structured_outputs.{kind}" if kind in KINDS else "structured_outputs"
+            raise bad(f"{name} is {size} bytes, more than max_grammar_bytes "
+                      f"{limits.max_grammar_bytes}")
 
 
 # ---- decoding what the leader sends (clients) ------------------------------------------

@@ -168,6 +168,18 @@ class EngineConfig:
     max_stop_strings: int = _setting(16, "Most stop strings per request.")
     max_stop_string_chars: int = _setting(256, "Longest stop string, in characters.")
     max_stop_token_ids: int = _setting(256, "Most stop_token_ids per request.")
+    max_grammar_bytes: int = _setting(
+        64 << 10, "Longest structured-output spec (JSON schema, regex, grammar, choices), "
+                  "in UTF-8 bytes.")
+    grammar_compile_timeout_s: float = _setting(
+        10.0, "Structured output: a grammar that takes longer to compile is refused (its "
+              "compiler process is killed).")
+    grammar_cache_mib: int = _setting(
+        64, "Structured output: compiled grammars kept, in MiB (the leader's cache, and "
+            "again on rank 0).")
+    json_any_whitespace: bool = _setting(
+        False, "Structured output: let JSON outputs hold free whitespace. Off: compact "
+               "separators only, so a model can never emit whitespace until max_tokens.")
     max_plan_bytes: int = _setting(
         64 << 20, "Most bytes of new sequences (token ids, block tables) one step plan "
                   "carries; more wait for the next step. Keeps every plan far below the "

@@ -36,8 +36,10 @@ class WorkerSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    # Rank 0 masks the logits with this compiled grammar (sent before in LoadGrammars).
+    grammar_key: str | None = None
     SPEC: ClassVar[tuple] = ("float", "float", "int", "float", "?int", "int", "ints",
-                             "float", "float", "float", "?int")
+                             "float", "float", "float", "?int", "?str")
 
 
 @dataclass(slots=True)
@@ -88,6 +90,20 @@ class InitKVCache:
 
 
 @dataclass(slots=True)
+class LoadGrammars:
+    """To rank 0 only, before the plan that first needs them: compiled grammars for
+    structured output (xgrammar's serialized JSON) by key, the TokenizerInfo they were
+    compiled against (with the group's first grammars, else None), and keys to forget."""
+
+    tokenizer_info: str | None
+    keys: list[str]
+    data: list[str]
+    drop: list[str]
+    KIND: ClassVar[int] = 4
+    SPEC: ClassVar[tuple] = ("?str", "strs", "strs", "strs")
+
+
+@dataclass(slots=True)
 class Shutdown:
     KIND: ClassVar[int] = 3
     SPEC: ClassVar[tuple] = ()
@@ -128,7 +144,8 @@ class WorkerError:
 
 
 MESSAGES: dict[int, type] = {
-    c.KIND: c for c in (StepPlan, InitKVCache, Shutdown, WorkerReady, StepResult, WorkerError)
+    c.KIND: c for c in (StepPlan, InitKVCache, LoadGrammars, Shutdown, WorkerReady, StepResult,
+                        WorkerError)
 }
 
 
@@ -170,6 +187,8 @@ _CHECKS: dict[str, Any] = {
     "?int": lambda x: x is None or is_int(x),
     "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
     "str": lambda x: isinstance(x, str),
+    "?str": lambda x: x is None or isinstance(x, str),
+    "strs": lambda x: type(x) is list and all(type(i) is str for i in x),
     "bool": lambda x: isinstance(x, bool),
     # type() is int: a C-speed check per element that also refuses bools.
     "ints": lambda x: type(x) is list and all(type(i) is int for i in x),

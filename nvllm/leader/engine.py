@@ -21,12 +21,15 @@ import heapq
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
+from nvllm.common.structured_outputs import StructuredOutputsParams
 from nvllm.leader.executor import Executor
+from nvllm.leader.grammar import CompiledGrammar, GrammarService, WorkerGrammars
 from nvllm.leader.input_processor import InputProcessor
 from nvllm.leader.kv_cache_manager import KVCacheManager
 from nvllm.leader.metrics import EngineMetrics
@@ -83,6 +86,15 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, tokenizer, self.capacity_tokens)
         self.plan_builder = PlanBuilder()
         self.output_processor = OutputProcessor(tokenizer, self.metrics)
+        # Structured output: compiled off the step loop (a child process, started on the
+        # first constrained request), sent once per grammar to rank 0.
+        self.grammars = None if tokenizer is None else GrammarService(
+            config.model, self.vocab_size, config.model_info.eos_token_ids,
+            timeout_s=config.grammar_compile_timeout_s,
+            cache_bytes=config.grammar_cache_mib << 20,
+            max_spec_bytes=config.max_grammar_bytes,
+            any_whitespace=config.json_any_whitespace)
+        self.worker_grammars = WorkerGrammars(config.grammar_cache_mib << 20)
         # Plans in flight: with async scheduling one more than the step being applied.
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: collections.deque[InFlight] = collections.deque()
@@ -103,21 +115,39 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(self, req: Request) -> Request:
+    def add_request(self, req: Request, grammar: CompiledGrammar | None = None) -> Request:
         """Admit a request built by ``input_processor.process``; raises Overloaded past
-        max_queued_requests and RequestRejected for an id already in use."""
+        max_queued_requests and RequestRejected for an id already in use. A constrained
+        request brings its compiled `grammar` (``grammar_future``); without one it is
+        compiled here, blocking (the offline API), and GrammarError is its refusal."""
         limit = self.config.max_queued_requests
         if limit is not None and self.scheduler.num_waiting_requests >= limit:
             raise Overloaded(f"overloaded: {self.scheduler.num_waiting_requests} requests are "
                              f"already waiting (max_queued_requests={limit}); retry later")
         if req.request_id in self.requests:
             raise RequestRejected("this request id is already in use")
+        if req.params.structured_outputs is not None:
+            grammar = grammar or self.grammar_future(req.params.structured_outputs).result()
+            for seq in req.seqs:
+                seq.grammar = grammar
         self.output_processor.add_request(req)
         for seq in req.seqs:
             self.scheduler.add(seq)
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, req.request_id))
         return req
+
+    def grammar_future(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar for a request's structured_outputs, as a future (done at
+        once on a cache hit; GrammarError for a spec that cannot be compiled)."""
+        if self.grammars is None:
+            raise RequestRejected("structured output needs the model's tokenizer (the "
+                                  "engine was started with skip_tokenizer_init)")
+        return self.grammars.get(spec)
+
+    def _live_grammar_keys(self) -> set[str]:
+        return {s.grammar.key for req in self.requests.values() for s in req.seqs
+                if s.grammar is not None and not s.is_finished}
 
     def abort_request(self, request_id: str, reason: str = "abort") -> EngineOutput:
         """End a request now (its KV blocks are freed); unknown ids are ignored."""
@@ -179,6 +209,13 @@ class LLMEngine:
                 self.metrics.queue_time.observe(now - self.requests[seq.request_id].arrival_time)
             start = seq.num_computed_tokens - n
             prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
+        grammars = [seq.grammar for seq, _ in sched.scheduled
+                    if seq.grammar is not None and not seq.on_worker]
+        if grammars:  # rank 0 gets the grammars it lacks before the plan that needs them
+            load = self.worker_grammars.load_for(grammars, self.grammars.tokenizer_info,
+                                                 self._live_grammar_keys)
+            if load is not None:
+                self.executor.send_first(load)
         plan = self.plan_builder.build(sched, self.scheduler.take_finished_seq_ids())
         plan_bytes, generation = self.executor.send(plan)
         self._inflight.append(InFlight(plan.step_id, sched, prompt_tokens, plan_bytes,
@@ -260,6 +297,7 @@ class LLMEngine:
         """
         if not self.executor.restart(error):
             return False
+        self.worker_grammars.reset()  # the new rank 0 holds none
         suspects = []
         for req in self.requests.values():
             for seq in req.seqs:
@@ -290,4 +328,6 @@ class LLMEngine:
         self._deadlines.clear()
 
     def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         self.executor.shutdown()

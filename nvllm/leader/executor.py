@@ -93,6 +93,10 @@ class Executor:
         generation = plan_arrays.pack(plan, self.plan_writer) if self.plan_writer else 0
         return self.workers.broadcast(plan), generation
 
+    def send_first(self, msg: Any) -> None:
+        """A message for rank 0 alone (compiled grammars), ahead of the next plan."""
+        self.workers.broadcast(msg, ranks=[0])
+
     def recv_result(self, step_id: int, sampling_seq_ids: set[int], generation: int,
                     cancelled: Callable[[], bool] | None = None) -> worker_protocol.StepResult:
         """The result of plan `step_id`; anything that does not answer it is dropped.

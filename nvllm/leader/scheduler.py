@@ -205,7 +205,10 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens and token in p.all_stop_token_ids():
+        # A constrained sequence samples a stop token before min_tokens only when its
+        # grammar allows nothing else (nvllm/worker/sampler.py): it ends there.
+        if ((seq.num_output_tokens >= p.min_tokens or p.structured_outputs is not None)
+                and token in p.all_stop_token_ids()):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from nvllm.common.sampling_params import SamplingParams
 
@@ -47,6 +48,9 @@ class Sequence:
     # Prompt tokens served from the prefix cache at the first admission (usage).
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # Structured output: the leader's CompiledGrammar (nvllm/leader/grammar.py), whose key
+    # the workers' copy of the sampling parameters names.
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.outputs import CompletionAccumulator
 from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
 from nvllm.leader.engine import LLMEngine
+from nvllm.leader.grammar import GrammarError
 from nvllm.leader.output_processor import EngineOutput
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ class EngineServer:
         self._outbox: dict[bytes, deque[bytes]] = {}
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
         # Submits whose text prompt is being tokenized off the loop, in arrival order.
-        self._tokenizing: dict[str, tuple[cp.Submit, Future]] = {}
+        # Submits admitted once their long prompt is tokenized and/or their grammar is
+        # compiled (each off the loop): internal id -> (submit, token ids, grammar).
+        self._tokenizing: dict[str, tuple[cp.Submit, Future | None, Future | None]] = {}
         self._tokenize_pool: ThreadPoolExecutor | None = None
         self._tokenizer: Any = None  # a copy: fast tokenizers are not shared across threads
         self._cancelled: Any = None  # serve() sets it: a step waits no longer than this says
@@ -233,27 +236,39 @@ class EngineServer:
             return self._error(client, rid, "duplicate_id",
                                "this request id is already in flight on this connection")
         internal = f"srv-{next(self._ids)}"
+        grammar = None
+        if msg.params.structured_outputs is not None:
+            try:
+                grammar = self.engine.grammar_future(msg.params.structured_outputs)
+            except (GrammarError, RequestRejected) as e:
+                return self._error(client, rid, "invalid_request" if isinstance(
+                    e, GrammarError) else "rejected", str(e))
+        tokens = None
         if (msg.prompt is not None and len(msg.prompt) > INLINE_TOKENIZE_CHARS
                 and self.engine.tokenizer is not None):
-            self._tokenizing[internal] = (msg, self._tokenize_later(msg.prompt))
-        elif not self._admit(client, msg, internal, msg.prompt_token_ids):
+            tokens = self._tokenize_later(msg.prompt)
+        if tokens is not None or (grammar is not None and not grammar.done()):
+            self._tokenizing[internal] = (msg, tokens, grammar)
+        elif not self._admit(client, msg, internal, msg.prompt_token_ids, grammar):
             return None
         self._owners[internal] = _Owner(client, rid, msg.stream, msg.params.n)
         self._by_client[client][rid] = internal
 
     def _admit(self, client: bytes, msg: cp.Submit, internal: str,
-               token_ids: list[int] | None) -> bool:
-        """Process and admit a submit (its prompt as text, or as `token_ids`); an error
-        is answered here."""
+               token_ids: list[int] | None, grammar: Future | None = None) -> bool:
+        """Process and admit a submit (its prompt as text, or as `token_ids`; its compiled
+        grammar, done); an error is answered here."""
         try:
             self.engine.add_request(self.engine.input_processor.process(
                 msg.prompt if token_ids is None else None, msg.params, request_id=internal,
-                prompt_token_ids=token_ids, priority=msg.priority, ttl_ms=msg.ttl_ms))
+                prompt_token_ids=token_ids, priority=msg.priority, ttl_ms=msg.ttl_ms),
+                None if grammar is None else grammar.result())
             return True
         except Overloaded as e:
             self._error(client, msg.id, "overloaded", str(e))
         except (ValueError, TypeError) as e:  # RequestRejected is a ValueError
-            code = "rejected" if isinstance(e, RequestRejected) else "invalid_request"
+            code = ("rejected" if isinstance(e, RequestRejected)
+                    and not isinstance(e, GrammarError) else "invalid_request")
             self._error(client, msg.id, code, str(e))
         return False
 
@@ -264,20 +279,24 @@ class EngineServer:
         return self._tokenize_pool.submit(lambda: self._tokenizer(prompt).input_ids)
 
     def _admit_tokenized(self) -> None:
-        """Admit the submits whose prompts are tokenized, in arrival order."""
-        while self._tokenizing:
-            internal, (msg, fut) = next(iter(self._tokenizing.items()))
-            if not fut.done():
-                return
+        """Admit the submits whose prompts are tokenized and grammars compiled, in arrival
+        order among those ready (a slow compile holds back only its own request)."""
+        for internal, (msg, tokens, grammar) in list(self._tokenizing.items()):
+            if (tokens is not None and not tokens.done()) or (
+                    grammar is not None and not grammar.done()):
+                continue
             del self._tokenizing[internal]
             owner = self._owners.get(internal)
             if owner is None:  # its client was evicted meanwhile
                 continue
-            error = fut.exception()
-            if error is not None or not self._admit(owner.client, msg, internal, fut.result()):
-                if error is not None:
-                    self._error(owner.client, msg.id, "rejected", "the prompt could not be "
-                                                                  "tokenized")
+            ok = False
+            if tokens is not None and tokens.exception() is not None:
+                self._error(owner.client, msg.id, "rejected", "the prompt could not be "
+                                                              "tokenized")
+            else:
+                ids = msg.prompt_token_ids if tokens is None else tokens.result()
+                ok = self._admit(owner.client, msg, internal, ids, grammar)
+            if not ok:
                 self._owners.pop(internal, None)
                 self._by_client[owner.client].pop(owner.client_rid, None)
             elif owner.aborted:
@@ -395,7 +414,7 @@ class EngineServer:
             self._admit_tokenized()
             self._step()
         for internal in list(self._tokenizing):  # never admitted: end them here
-            msg, _ = self._tokenizing.pop(internal)
+            msg, _, _ = self._tokenizing.pop(internal)
             owner = self._owners.pop(internal, None)
             if owner is not None:
                 self._error(owner.client, msg.id, "engine_unavailable",

@@ -202,14 +202,15 @@ class WorkerGroupClient:
         # A process exit names the rank with its exit code: it wins over heartbeat silence.
         return {**self.heartbeats.silent(), **self.liveness_check()}
 
-    def broadcast(self, msg: Any) -> int:
-        """Send `msg` to every rank. A send never blocks for good: while a rank's queue
-        is full (or it has no connection) the liveness checks keep running, and after
-        heartbeat_timeout_s the group counts as dead."""
+    def broadcast(self, msg: Any, ranks: list[int] | None = None) -> int:
+        """Send `msg` to every rank (or to `ranks`). A send never blocks for good: while a
+        rank's queue is full (or it has no connection) the liveness checks keep running,
+        and after heartbeat_timeout_s the group counts as dead."""
         self._check_dead()
         data = worker_protocol.encode(msg)
         deadline = time.monotonic() + self.heartbeats.timeout_s
-        for rank, sock in enumerate(self.plan_socks):
+        for rank in range(len(self.plan_socks)) if ranks is None else ranks:
+            sock = self.plan_socks[rank]
             while True:
                 try:
                     sock.send(data, flags=zmq.NOBLOCK, copy=False)

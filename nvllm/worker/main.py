@@ -237,6 +237,8 @@ def run_worker(spec: dict) -> None:
                 runner.init_kv_cache(msg.num_blocks)
                 result_sock.send(worker_protocol.encode(
                     worker_protocol.WorkerReady(rank, "kv", msg.num_blocks)))
+            elif isinstance(msg, worker_protocol.LoadGrammars):
+                runner.load_grammars(msg)
             elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:

@@ -21,6 +21,7 @@ from nvllm.worker.loader import load_weights
 from nvllm.worker.models.llama import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.sampler import Sampler, SampleRequest
+from nvllm.worker.structured_output import StructuredOutputState
 
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amortized)
 
@@ -69,6 +70,8 @@ class ModelRunner:
         if device.type == "cpu" and config.cpu_onednn_linear:
             pack_for_cpu(self.model)
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
+        # Rank 0 samples, so it alone holds the grammars and matchers.
+        self.structured = StructuredOutputState() if tp.rank == 0 else None
         self.seqs: dict[int, WorkerSeq] = {}
         self.kv_cache: torch.Tensor | None = None
         # The CPU attention backend's contiguous per-sequence K/V (made with the cache).
@@ -129,8 +132,14 @@ class ModelRunner:
             self.block_size, self.device, graph_factory)
         self.graphs.capture()
 
+    def load_grammars(self, msg: worker_protocol.LoadGrammars) -> None:
+        if self.structured is not None:
+            self.structured.load(msg)
+
     def _drop(self, sid: int) -> None:
         self.seqs.pop(sid, None)
+        if self.structured is not None:
+            self.structured.drop(sid)
         if self.cpu_kv is not None:
             self.cpu_kv.drop(sid)
 
@@ -192,6 +201,9 @@ class ModelRunner:
             seq = WorkerSeq(ns.token_ids, ns.num_prompt_tokens, ns.num_computed_tokens,
                             ns.block_table, ns.sampling)
             self.seqs[ns.seq_id] = seq
+            if ns.sampling.grammar_key is not None and self.structured is not None:
+                self.structured.start(ns.seq_id, ns.sampling,
+                                      ns.token_ids[ns.num_prompt_tokens:])
             batch.append((ns.seq_id, seq, ns.num_new_tokens))
         for rs in plan.running:
             seq = self.seqs[rs.seq_id]
@@ -262,9 +274,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
         tokens, logprobs = [], None
         if sampling and self.tp.rank == 0:
-            reqs = [SampleRequest(seq.sampling, seq.token_ids, seq.num_prompt_tokens)
-                    for _, seq in sampling]
+            so = self.structured
+            reqs = [SampleRequest(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
+                                  so.matcher(sid) if so.matchers else None)
+                    for sid, seq in sampling]
             tokens, logprobs = self.sampler(logits, reqs)
+            if so.matchers:
+                for (sid, _), token in zip(sampling, tokens):
+                    so.accept(sid, token)
         if sampling and self.tp.world_size > 1:
             # Every rank keeps the sampled tokens itself: the next plan (possibly already
             # sent, with async scheduling) computes them without a trip through the leader.

@@ -1,20 +1,23 @@
 """Token sampling on rank 0 from full-vocabulary float32 logits.
 
-Order (as vLLM): penalties -> min_tokens mask -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> a draw. A seeded sequence draws from a generator keyed by
-(seed, output position), so its tokens do not depend on what else is in the batch,
-nor on preemption.
+Order (as vLLM): grammar mask (structured output) -> penalties -> min_tokens mask ->
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw. Returned logprobs are
+the model's own (log_softmax of the raw logits, before the mask and every other step).
+A seeded sequence draws from a generator keyed by (seed, output position), so its tokens
+do not depend on what else is in the batch, nor on preemption.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
 
 from nvllm.common.sampling_params import GREEDY_BELOW
 from nvllm.common.worker_protocol import WorkerSampling
+from nvllm.worker.structured_output import apply_masks
 
 
 @dataclass(slots=True)
@@ -22,6 +25,7 @@ class SampleRequest:
     params: WorkerSampling
     token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
+    matcher: Any = None  # xgrammar GrammarMatcher of a constrained sequence
 
 
 def _apply_penalties(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
@@ -85,6 +89,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]):
         """Returns (token ids, logprobs per row or None)."""
         raw = logits
+        if any(r.matcher is not None for r in reqs):
+            wants_raw = any(r.params.logprobs is not None for r in reqs)
+            logits = apply_masks(logits.clone() if wants_raw else logits,
+                                 [r.matcher for r in reqs])
         if not any(_needs_row_work(r) for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()  # all plain greedy: one batched argmax
         else:
@@ -109,7 +117,13 @@ class Sampler:
         row = _apply_penalties(row, req)
         n_out = len(req.token_ids) - req.num_prompt_tokens
         if n_out < p.min_tokens and p.stop_token_ids:
-            row[[t for t in p.stop_token_ids if t < row.shape[0]]] = float("-inf")
+            ids = [t for t in p.stop_token_ids if t < row.shape[0]]
+            kept = row[ids]
+            row[ids] = float("-inf")
+            if req.matcher is not None and bool(torch.isneginf(row).all()):
+                # The grammar allows only a stop token: the structure is complete, and
+                # ends the output before min_tokens rather than leave nothing to sample.
+                row[ids] = kept
         if p.temperature < GREEDY_BELOW:
             return int(torch.argmax(row))
         probs = _filter(row / p.temperature, p).softmax(-1)

@@ -112,7 +112,7 @@ def test_clients_skip_malformed_leader_frames():
 
 LIMITS = cp.ClientLimits(max_model_len=64, max_request_id_bytes=32, max_prompt_bytes=256,
                          max_n=4, max_stop_strings=2, max_stop_string_chars=8,
-                         max_stop_token_ids=3)
+                         max_stop_token_ids=3, max_grammar_bytes=512)
 
 
 def _submit(**fields) -> bytes:
@@ -139,6 +139,16 @@ def _submit(**fields) -> bytes:
     # Containers beyond msgpack's own limits never decode at all.
     (_submit(params={"stop_token_ids": [1] * 100_000}), "bad_frame", "limits"),
     (_pack({"op": "submit", "id": "a", "prompt": "x" * 10_000}), "bad_frame", "limits"),
+    (_submit(params={"structured_outputs": {"regex": "a" * 513}}), "invalid_request",
+     "structured_outputs.regex is 513 bytes, more than max_grammar_bytes 512"),
+    (_submit(params={"structured_outputs": {"choice": ["ab"] * 300}}), "invalid_request",
+     "structured_outputs.choice is 600 bytes"),
+    (_submit(params={"structured_outputs": {"x" * 600: "a"}}), "invalid_request",
+     "unknown field(s) a str of length 600"),
+    (_submit(params={"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+     "invalid_request", "set exactly one of"),
+    (_submit(params={"structured_outputs": {"json": "{not json"}}), "invalid_request",
+     "structured_outputs.json: is not valid JSON text"),
     (_submit(params={f"k{i}": i for i in range(100)}), "bad_frame", "limits"),
 ])
 def test_limits_are_checked_on_decode(frame, code, words):

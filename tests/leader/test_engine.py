@@ -37,8 +37,9 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     params = SamplingParams(temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234,
                             max_tokens=6, min_tokens=2, stop_token_ids=[41, 17],
                             repetition_penalty=1.25, presence_penalty=0.5,
-                            frequency_penalty=-0.25, logprobs=3)
-    no_eos = params.clone(ignore_eos=True, n=2, seed=77)
+                            frequency_penalty=-0.25, logprobs=3,
+                            structured_outputs={"regex": "[a-z ]+"})
+    no_eos = params.clone(ignore_eos=True, n=2, seed=77, structured_outputs=None)
     req = submit(engine, prompt_token_ids=prompt_ids(0, 5), params=params)
     req2 = submit(engine, prompt_token_ids=prompt_ids(10, 5), params=no_eos)
     eos = engine.config.model_info.eos_token_ids  # the checkpoint's
@@ -46,7 +47,8 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     want = protocol.WorkerSampling(
         temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234, min_tokens=2,
         stop_token_ids=sorted({41, 17, *eos}), repetition_penalty=1.25,
-        presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3)
+        presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3,
+        grammar_key=engine.grammars.key(params.structured_outputs))
     # The test covers every field: none of them may be left at its default.
     for f in dataclasses.fields(protocol.WorkerSampling):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -58,7 +60,11 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     # get consecutive seeds.
     for i, seq in enumerate(req2.seqs):
         (ns,) = new_seqs_of(workers, seq.seq_id)
-        assert ns.sampling == dataclasses.replace(want, stop_token_ids=[17, 41], seed=77 + i)
+        assert ns.sampling == dataclasses.replace(want, stop_token_ids=[17, 41], seed=77 + i,
+                                                  grammar_key=None)
+    # The compiled grammar went to rank 0 once, before the plan that needs it.
+    (load,) = [m for m in workers.other if isinstance(m, protocol.LoadGrammars)]
+    assert load.keys == [want.grammar_key] and load.tokenizer_info and not load.drop
 
 
 # ---- prefix caching -------------------------------------------------------------------------

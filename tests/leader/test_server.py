@@ -231,7 +231,7 @@ def test_a_long_text_prompt_is_tokenized_off_the_loop(connected, tokenizer, monk
     deadline = time.monotonic() + 30
     while server._tokenizing:
         assert time.monotonic() < deadline
-        for _, fut in list(server._tokenizing.values()):
+        for _, fut, _ in list(server._tokenizing.values()):
             fut.result(timeout=30)
         server._admit_tokenized()
     want = tokenizer(text).input_ids

@@ -87,7 +87,7 @@ class FakeWorkers:
     def check_alive(self):
         return self.dead
 
-    def broadcast(self, msg) -> int:
+    def broadcast(self, msg, ranks=None) -> int:
         if self.dead is not None:  # as the real client
             raise EngineDeadError(self.dead)
         data = protocol.encode(msg)
