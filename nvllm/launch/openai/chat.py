@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
     lp = (body.top_logprobs or 0) if body.logprobs else None
     params = leader_params(body, lp, max_tokens)
     if constraint is not None:
-        params["structured_outputs"] = constraint
+        params["structured_outputs"] = constraint[1]
     job = fanout.Job(prompt_ids, params, body.priority, body.ttl_ms)
     tokens = await state.tokens() if body.logprobs else None
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",
@@ -108,6 +108,8 @@ async def chat_completions(request: Request) -> Response:
         fan = await fanout.start(request, state.client, [job])
     except fanout.Disconnected:
         return Response(status_code=499)
+    except ApiError as e:
+        raise structured.blame(e, constraint[0]) if constraint else e from None
 
     def logprobs(ids: list[int], lps: list | None) -> dict | None:
         if tokens is None:

@@ -62,7 +62,7 @@ async def completions(request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens or 16  # OpenAI's default
     params = leader_params(body, body.logprobs, max_tokens)
     if (constraint := structured.constraint(body)) is not None:
-        params["structured_outputs"] = constraint
+        params["structured_outputs"] = constraint[1]
     tokens = await state.tokens() if body.logprobs is not None else None
     jobs = [fanout.Job(q, params, body.priority, body.ttl_ms) for q in prompts]
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()),
@@ -71,6 +71,8 @@ async def completions(request: Request) -> Response:
         fan = await fanout.start(request, state.client, jobs)
     except fanout.Disconnected:
         return Response(status_code=499)
+    except ApiError as e:
+        raise structured.blame(e, constraint[0]) if constraint else e from None
     logprobs, n = _Logprobs(tokens, body.logprobs), body.n
 
     if body.stream:

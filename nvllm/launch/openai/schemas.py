@@ -146,8 +146,16 @@ def _schema_text(schema: dict | str) -> str:
 SchemaDict = Annotated[dict[str, Any], AfterValidator(_schema_dict)]
 SchemaText = Annotated[dict[str, Any] | str, AfterValidator(_schema_text)]
 ConstraintText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+def _choices_total(choices: list[str]) -> list[str]:
+    n = sum(map(len, choices))
+    if n > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the choices are {n} characters together, more than the limit of "
+                         f"{MAX_CONSTRAINT_CHARS}")
+    return choices
+
+
 Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
-                    Field(min_length=1, max_length=MAX_CHOICES)]
+                    Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(_choices_total)]
 
 
 class JsonSchemaFormat(_Body):

@@ -32,11 +32,11 @@ def _structured(body: SamplingBody) -> dict[str, Any]:
 
 
 def constraint(body: SamplingBody, forced: tuple[str, dict] | None = None
-               ) -> dict[str, Any] | None:
-    """The leader's structured_outputs map for `body`, or None. `forced` is (the field that
-    forces it, its map), e.g. a tool_choice. More than one source is a 400 naming them
-    (they could not all hold), and so is ignore_eos with any (a constrained output ends
-    with EOS once it is complete; SamplingParams refuses it too)."""
+               ) -> tuple[str, dict[str, Any]] | None:
+    """(the request field that set it, the leader's structured_outputs map) for `body`, or
+    None. `forced` is such a pair from elsewhere, e.g. a tool_choice. More than one source
+    is a 400 naming them (they could not all hold), and so is ignore_eos with any (a
+    constrained output ends with EOS once it is complete; SamplingParams refuses it too)."""
     found: list[tuple[str, dict[str, Any]]] = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
@@ -59,4 +59,12 @@ def constraint(body: SamplingBody, forced: tuple[str, dict] | None = None
         raise ApiError(400, f"ignore_eos cannot be combined with {found[0][0]}: a constrained "
                             "output ends with EOS once it is complete", param="ignore_eos",
                        code="invalid_value")
-    return found[0][1]
+    return found[0]
+
+
+def blame(e: ApiError, source: str) -> ApiError:
+    """A leader's 400 about the constraint (it did not compile: ``invalid
+    structured_outputs.regex: ...``) names the request field the constraint came from."""
+    if e.status == 400 and "structured_outputs" in e.message:
+        e.param = source
+    return e

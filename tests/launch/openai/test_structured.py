@@ -87,6 +87,8 @@ REFUSED = [
     ({"structured_outputs": {"choice": ["a" * (schemas.MAX_CHOICE_CHARS + 1)]}},
      "structured_outputs.choice.0", f"at most {schemas.MAX_CHOICE_CHARS} characters"),
     ({"guided_choice": []}, "guided_choice", "at least 1"),
+    ({"guided_choice": ["a" * schemas.MAX_CHOICE_CHARS] * schemas.MAX_CHOICES},
+     "guided_choice", "characters together, more than the limit"),
     ({"guided_json": {"enum": ["x" * BIG]}}, "guided_json",
      f"more than the limit of {schemas.MAX_CONSTRAINT_CHARS}"),
     ({"structured_outputs": {"json": " " * BIG}}, "structured_outputs.json",
@@ -156,4 +158,4 @@ def test_leader_errors_about_the_constraint_are_400s(gateway, leader):
     for route, body in ROUTES:
         err = error(gateway().post(route, json={**body, "guided_regex": "("}))
         assert err["type"] == "invalid_request_error"
-        assert "cannot compile" in err["message"] and err["param"] == "structured_outputs"
+        assert "cannot compile" in err["message"] and err["param"] == "guided_regex"
