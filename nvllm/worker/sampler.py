@@ -87,7 +87,8 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]):
-        """Returns (token ids, logprobs per row or None)."""
+        """Returns (token ids, logprobs per row or None). Constrained rows of `logits` are
+        masked in place (on a copy when logprobs are asked: those are the raw ones)."""
         raw = logits
         if any(r.matcher is not None for r in reqs):
             wants_raw = any(r.params.logprobs is not None for r in reqs)

@@ -12,6 +12,7 @@ from nvllm.common.errors import ProtocolError
 from nvllm.common.worker_protocol import (
     MESSAGES,
     InitKVCache,
+    LoadGrammars,
     NewSeq,
     RunningSeq,
     Shutdown,
@@ -29,7 +30,8 @@ def _plan() -> StepPlan:
     s1 = WorkerSampling()
     s2 = WorkerSampling(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=2**63 - 1,
                         min_tokens=3, stop_token_ids=[2, 70000], repetition_penalty=1.1,
-                        presence_penalty=-0.5, frequency_penalty=1.5, logprobs=5)
+                        presence_penalty=-0.5, frequency_penalty=1.5, logprobs=5,
+                        grammar_key="json-0123abcd")
     return StepPlan(
         step_id=17,
         new_seqs=[
@@ -50,6 +52,9 @@ ROUND_TRIP = [
     _plan(),
     StepPlan(step_id=0, new_seqs=[], running=[], finished_ids=[]),
     InitKVCache(num_blocks=1234),
+    LoadGrammars(tokenizer_info='{"vocab": []}', keys=["regex-1", "json-2"],
+                 data=['{"g": 1}', '{"g": 2}'], drop=["choice-3"]),
+    LoadGrammars(tokenizer_info=None, keys=[], data=[], drop=[]),
     Shutdown(),
     WorkerReady(rank=1, stage="weights", num_blocks=512),
     WorkerReady(rank=0, stage="kv", num_blocks=0),
@@ -127,7 +132,7 @@ def test_rejects_valid_msgpack_not_a_message_list(obj):
     _rejects(msgpack.packb(obj, use_bin_type=True))
 
 
-@pytest.mark.parametrize("kind", [0, 4, 9, 13, 99, -1, 2**40])
+@pytest.mark.parametrize("kind", [0, 5, 9, 13, 99, -1, 2**40])
 def test_rejects_unknown_kind(kind):
     err = _rejects(_raw(kind))
     assert "kind" in str(err)

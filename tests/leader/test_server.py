@@ -247,3 +247,45 @@ def test_a_long_text_prompt_is_tokenized_off_the_loop(connected, tokenizer, monk
             finals[m["id"]] = m["finish_reason"]
     assert finals == {"gone": "abort", "long": "length"}
     assert not engine.requests and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_compiling_grammar_holds_back_only_its_own_request(connected, monkeypatch):
+    """A constrained submit waits off the loop for its grammar while a later free one is
+    admitted and finishes; once compiled it is admitted with that grammar, and a spec that
+    fails to compile is that request's invalid_request."""
+    from concurrent.futures import Future
+
+    from nvllm.leader.grammar import CompiledGrammar, GrammarError
+
+    engine, server, dealer = connected
+    futures: dict[str, Future] = {}
+
+    def get(so):
+        return futures.setdefault(so.regex, Future())
+
+    monkeypatch.setattr(engine.grammars, "get", get)
+    for rid, so in (("slow", {"regex": "a+"}), ("bad", {"regex": "b("}), ("free", None)):
+        params = {"max_tokens": 2} | ({"structured_outputs": so} if so else
+                                     {"ignore_eos": True})
+        dealer.send(msgpack.packb({"op": "submit", "id": rid, "prompt_token_ids": [5, 6],
+                                   "params": params}))
+        server._drain(WAIT_MS)
+    assert set(server._tokenizing) and len(engine.requests) == 1  # only "free"
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        server._step()
+    futures["b("].set_exception(GrammarError("invalid structured_outputs.regex: nope"))
+    futures["a+"].set_result(CompiledGrammar("regex-test", "{}"))
+    server._admit_tokenized()
+    assert not server._tokenizing
+    (req,) = engine.requests.values()
+    assert [s.grammar.key for s in req.seqs] == ["regex-test"]
+    msgs = {}
+    while dealer.poll(500):
+        m = msgpack.unpackb(dealer.recv(), raw=False)
+        msgs.setdefault(m["id"], []).append(m)
+    assert msgs["free"][-1]["finish_reason"] == "length"
+    assert [(m["op"], m["code"]) for m in msgs["bad"]] == [("error", "invalid_request")]
+    assert "slow" not in msgs
+    engine.abort_request(req.request_id)
