@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from nvllm.common.proc import stop_on_signals
+from nvllm.launch.openai.tool_parsers import PARSER_CHOICES
 from nvllm.launch.options import engine_options
 
 DEMO_PROMPTS = [
@@ -79,6 +80,9 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
                    "template.")
 @click.option("--http-allow-priority", is_flag=True,
               help="nvllm-serve --allow-priority: HTTP requests may set priority.")
+@click.option("--http-tool-call-parser", default="auto",
+              type=click.Choice(PARSER_CHOICES),
+              help="nvllm-serve --tool-call-parser: how tool_choice auto finds calls.")
 @click.option("--nnodes", default=1, type=int, help="Nodes the tensor-parallel group spans.")
 @click.option("--node-rank", default=0, type=int,
               help="This node's rank: 0 runs the leader and its workers, others only workers.")
@@ -107,7 +111,8 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
            host: str, port: int, http_port: int | None, http_host: str,
            served_model_name: str | None, api_key: str | None,
            http_max_body_bytes: int | None, http_trust_request_chat_template: bool,
-           http_allow_priority: bool, nnodes: int, node_rank: int,
+           http_allow_priority: bool, http_tool_call_parser: str, nnodes: int,
+           node_rank: int,
            nproc_per_node: int | None, master_addr: str, master_port: int, leader_only: bool,
            curve_key_dir: str | None, max_frame_bytes: int, prompts: tuple[str, ...],
            demo: bool, max_tokens: int, temperature: float, log_level: str) -> None:
@@ -163,7 +168,8 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
                    shutdown_timeout, {
                        "max_body_bytes": http_max_body_bytes,
                        "trust_request_chat_template": http_trust_request_chat_template,
-                       "allow_priority": http_allow_priority})
+                       "allow_priority": http_allow_priority,
+                       "tool_call_parser": http_tool_call_parser})
     finally:
         engine.shutdown()
 

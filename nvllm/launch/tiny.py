@@ -74,6 +74,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-bf16": {"arch": "qwen3", "head_dim": 32, "dtype": "bfloat16"},
     # ~100 KB shards -> several model-0000x-of-0000y.safetensors + index.json.
     "qwen3-sharded": {"arch": "qwen3", "head_dim": 32, "shard_size": "100KB"},
+    # qwen3's weights with Qwen's tool-calling tokens (<tool_call> ...) and chat template.
+    "qwen3-tools": {"arch": "qwen3", "head_dim": 32, "tool_tokenizer": True},
 }
 
 # Benchmark checkpoints: too big to build inside tests (seconds, tens of MB), same
@@ -211,12 +213,14 @@ def make_tiny_checkpoint(
     dtype: str = "float32",
     shard_size: str | None = None,
     full_vocab_tokenizer: bool = False,
+    tool_tokenizer: bool = False,
 ) -> pathlib.Path:
     """Write a random HF checkpoint plus tokenizer to ``path`` and return it.
 
     Deterministic: the same arguments produce byte-identical safetensors.  ``path`` is
     created if needed; existing files with the same names are overwritten.
     full_vocab_tokenizer: the tokenizer names every model id (see build_tokenizer).
+    tool_tokenizer: Qwen's tool-calling tokens and chat template (see build_tokenizer).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -227,7 +231,8 @@ def make_tiny_checkpoint(
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer(vocab_size, max_position_embeddings, full_vocab_tokenizer)
+    tokenizer = build_tokenizer(vocab_size, max_position_embeddings, full_vocab_tokenizer,
+                                tool_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
 
     kwargs: dict[str, Any] = dict(

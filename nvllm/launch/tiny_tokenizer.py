@@ -1,6 +1,7 @@
 """The tiny checkpoints' tokenizer: a byte-level BPE trained on a fixed English text, with
-ChatML special tokens and template (see ``build_tokenizer``). Deterministic across
-processes, so a checkpoint's files are byte-identical wherever they are built."""
+ChatML special tokens and template (see ``build_tokenizer``), optionally with Qwen's
+tool-calling tokens and template. Deterministic across processes, so a checkpoint's files
+are byte-identical wherever they are built."""
 
 from __future__ import annotations
 
@@ -14,11 +15,59 @@ SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
 # a few model ids (>= len(tokenizer)) have no token; see build_tokenizer for how they decode.
 _MAX_TOKENIZER_VOCAB = 1000
 
+# Qwen2.5/Qwen3's tool-calling markers: added tokens that are NOT special, as in Qwen's
+# tokenizer (so skip_special_tokens keeps them in the text a tool parser reads). Added after
+# training, so the other tokens' ids are those of the plain tokenizer.
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+TOOL_TOKENS = [TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END]
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Qwen2.5's tool-calling chat template, shortened (no default system prompt): the tools as
+# JSON lines in a `# Tools` system block, assistant tool calls as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, tool results as
+# <tool_response> blocks in a user turn.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query."
+    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>"
+    "<|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}"
+    "{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 # Fixed, original training text for the BPE merges.  It only needs to be ordinary English so
@@ -84,7 +133,8 @@ how many days do you have? I can suggest places to stay, things to see and food 
 """
 
 
-def build_tokenizer(model_vocab_size: int, model_max_length: int, full_vocab: bool = False):
+def build_tokenizer(model_vocab_size: int, model_max_length: int, full_vocab: bool = False,
+                    tools: bool = False):
     """Byte-level BPE trained on _CORPUS, wrapped as a PreTrainedTokenizerFast.
 
     Byte-level means every UTF-8 string round-trips through encode/decode, including
@@ -95,8 +145,11 @@ def build_tokenizer(model_vocab_size: int, model_max_length: int, full_vocab: bo
     decoder looks each id up, finds no token and silently drops it, so such ids decode to ""
     (and ``convert_ids_to_tokens`` returns None for them).  Detokenizers must therefore
     tolerate ids that contribute no text.
+
+    tools: add TOOL_TOKENS (non-special, after every trained id) and use Qwen's
+    tool-calling template (QWEN_TOOLS_TEMPLATE) instead of plain ChatML.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     target = min(_MAX_TOKENIZER_VOCAB, model_vocab_size)
@@ -121,6 +174,9 @@ def build_tokenizer(model_vocab_size: int, model_max_length: int, full_vocab: bo
     assert tok.get_vocab_size() <= model_vocab_size
     if full_vocab:
         tok = extend_vocab(tok, model_vocab_size)
+    if tools:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+        assert tok.get_vocab_size() <= model_vocab_size
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS_TOKEN,
@@ -128,7 +184,7 @@ def build_tokenizer(model_vocab_size: int, model_max_length: int, full_vocab: bo
         pad_token=EOS_TOKEN,
         unk_token=None,
         additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHATML_TEMPLATE,
+        chat_template=QWEN_TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
         # The default cleanup rewrites " ." -> "." etc. and would break round trips.
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,

@@ -110,9 +110,10 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
 
 
 def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
-    """--http-max-body-bytes, --http-trust-request-chat-template and --http-allow-priority
-    reach start_gateway_process, and from there nvllm-serve's command line (no engine:
-    the builder, the ZMQ server and the gateway process are stand-ins)."""
+    """--http-max-body-bytes, --http-trust-request-chat-template, --http-allow-priority and
+    --http-tool-call-parser reach start_gateway_process, and from there nvllm-serve's
+    command line (no engine: the builder, the ZMQ server and the gateway process are
+    stand-ins)."""
     from types import SimpleNamespace
 
     from click.testing import CliRunner
@@ -158,17 +159,19 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
     base = ["--model", tiny("qwen3"), "--device", "cpu", "--http-port", "1"]
     out = CliRunner().invoke(cli.launch, [*base, "--http-max-body-bytes", "12345",
                                           "--http-trust-request-chat-template",
-                                          "--http-allow-priority"])
+                                          "--http-allow-priority",
+                                          "--http-tool-call-parser", "llama3_json"])
     assert out.exit_code == 0, out.output
     assert calls[-1]["max_body_bytes"] == 12345
     assert calls[-1]["trust_request_chat_template"] and calls[-1]["allow_priority"]
     cmd = calls[-1]["cmd"]
     assert cmd[cmd.index("--max-body-bytes") + 1] == "12345"
     assert "--trust-request-chat-template" in cmd and "--allow-priority" in cmd
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "llama3_json"
     out = CliRunner().invoke(cli.launch, base)  # defaults: nothing added
     assert out.exit_code == 0, out.output
     assert not {"--max-body-bytes", "--trust-request-chat-template",
-                "--allow-priority"} & set(calls[-1]["cmd"])
+                "--allow-priority", "--tool-call-parser"} & set(calls[-1]["cmd"])
 
 
 def test_sigterm_stops_everything_even_with_a_stopped_worker(tiny, procs):

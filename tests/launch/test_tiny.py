@@ -300,6 +300,41 @@ def test_chat_template(presets_root: pathlib.Path) -> None:
     assert tok.decode(ids) == text
 
 
+def test_tool_preset_tokenizer_and_template(presets_root: pathlib.Path) -> None:
+    """qwen3-tools: qwen3's ids plus Qwen's tool markers as added, non-special tokens (they
+    survive skip_special_tokens, as in Qwen), and a template that renders tools, calls and
+    results the way Qwen2.5's does."""
+    from nvllm.launch.tiny_tokenizer import TOOL_TOKENS
+
+    tok = AutoTokenizer.from_pretrained(presets_root / "qwen3-tools")
+    plain = AutoTokenizer.from_pretrained(presets_root / "qwen3")
+    assert tok.convert_tokens_to_ids(TOOL_TOKENS) == list(range(len(plain), len(plain) + 4))
+    assert tok.encode(ENGLISH) == plain.encode(ENGLISH)
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(text)
+    assert ids[0] == len(plain) and ids[-1] == len(plain) + 1
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"},
+    ]
+    rendered = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "f", ' in rendered
+    assert rendered.endswith(
+        "<|im_start|>user\nHi<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nr1\n</tool_response>\n"
+        "<tool_response>\nr2\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # Without tools it is plain ChatML.
+    assert tok.apply_chat_template(messages[:1], tokenize=False) == \
+        plain.apply_chat_template(messages[:1], tokenize=False)
+
+
 def test_generation_config(presets_root: pathlib.Path) -> None:
     gen = json.loads((presets_root / "qwen2" / "generation_config.json").read_text())
     assert gen["eos_token_id"] == gen["pad_token_id"] == gen["bos_token_id"] == 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 class FakeLeader:
     """A ZMQ ROUTER speaking docs/protocol.md: answers info/health/metrics/ping, records every
-    submit and answers each of its n completions with one final output (length)."""
+    submit and answers each of its n completions with one final output (length), or with
+    `script`'s texts, one output each (the last one ends with stop), or with `error` (a
+    (code, message) error answer)."""
 
     def __init__(self, model_path: str) -> None:
         import threading
@@ -15,6 +17,8 @@ class FakeLeader:
         self.model_path = model_path
         self.submits: list[dict] = []
         self.ready = True  # health: False answers not ready, with a reason naming the path
+        self.script: list[str] | None = None
+        self.error: tuple[str, str] | None = None
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -51,6 +55,21 @@ class FakeLeader:
             elif op == "submit":
                 self.submits.append(msg)
                 p = msg["params"]
+                if self.error is not None:
+                    send(peer, {"op": "error", "id": msg["id"], "code": self.error[0],
+                                "message": self.error[1]})
+                    continue
+                if self.script is not None:
+                    for index in range(int(p.get("n", 1))):
+                        for j, text in enumerate(self.script):
+                            last = j == len(self.script) - 1
+                            send(peer, {"op": "output", "id": msg["id"], "index": index,
+                                        "token_ids": [5], "text": text, "logprobs": None,
+                                        "finish_reason": "stop" if last else None,
+                                        "usage": {"prompt_tokens": 3,
+                                                  "completion_tokens": len(self.script),
+                                                  "cached_tokens": 0} if last else None})
+                    continue
                 lps = None if p.get("logprobs") is None else [{5: -0.5, 6: -1.5}]
                 for index in range(int(p.get("n", 1))):
                     send(peer, {"op": "output", "id": msg["id"], "index": index,

@@ -7,7 +7,7 @@ server never takes the engine down, and the engine never runs HTTP code. Routes:
 - ``POST /v1/completions``: prompt as a string, a token-id list, or a batch of either;
   ``n``; ``stream`` as server-sent events (``data: {...}`` ... ``data: [DONE]``).
 - ``POST /v1/chat/completions``: the model's chat template (from its tokenizer) is applied
-  here and the prompt is sent as token ids.
+  here and the prompt is sent as token ids; tools and tool calls.
 - ``GET /v1/models``, ``GET /health`` (200 once the leader says it is ready, else 503),
   ``GET /metrics`` (the leader's Prometheus text plus the gateway's own counters).
 
@@ -19,9 +19,11 @@ Binding HTTP to anything but loopback requires ``--api-key``; a leader started w
 
 Modules: ``app`` (the app factory: /health, /metrics, /v1/models, auth, mounting the
 routes), ``completions`` and ``chat`` (the two generation routes), ``schemas`` (request
-bodies), ``state`` (the leader connection, its info, the tokenizer), ``fanout`` (leader
-requests per prompt, disconnect watching), ``sse`` (streaming a fan-out as server-sent
-events), ``logprobs`` and ``tokens`` (logprobs in OpenAI's shapes), ``errors`` (OpenAI error
-objects), ``metrics`` (the gateway's own counters) and ``cli`` (``nvllm-serve``, and
-starting the gateway as a child process). ``python -m nvllm.launch.openai`` runs it.
+bodies), ``structured`` (output constraints), ``tools``, ``tool_calls`` and
+``tool_parsers`` (tool calling), ``state`` (the leader connection, its info, the
+tokenizer), ``fanout`` (leader requests per prompt, disconnect watching), ``sse``
+(streaming a fan-out as server-sent events), ``logprobs`` and ``tokens`` (logprobs in
+OpenAI's shapes), ``errors`` (OpenAI error objects), ``metrics`` (the gateway's own
+counters) and ``cli`` (``nvllm-serve``, and starting the gateway as a child process).
+``python -m nvllm.launch.openai`` runs it.
 """

@@ -1,6 +1,7 @@
-"""``POST /v1/chat/completions``: the messages go through the model's chat template here
-(from its tokenizer) and reach the leader as token ids; ``n`` completions, as one
-``chat.completion`` or a stream of ``chat.completion.chunk`` objects."""
+"""``POST /v1/chat/completions``: the messages (and tools) go through the model's chat
+template here (from its tokenizer) and reach the leader as token ids; ``n`` completions,
+as one ``chat.completion`` or a stream of ``chat.completion.chunk`` objects, their text
+read for tool calls when the request has tools (tools.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from nvllm.common.outputs import CompletionDelta
-from nvllm.launch.openai import fanout
+from nvllm.launch.openai import fanout, structured, tools
 from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.logprobs import chat_logprobs
 from nvllm.launch.openai.schemas import ChatBody, leader_params, parse_body
 from nvllm.launch.openai.sse import Envelope, stream_fanout
 from nvllm.launch.openai.state import GatewayState
+from nvllm.launch.openai.tool_calls import CallMachine, Delta
+from nvllm.launch.openai.tool_parsers import pick_parser
 
 router = APIRouter()
 
@@ -36,6 +39,13 @@ def _messages(body: Any) -> list[dict]:
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(400, "only assistant messages have tool_calls",
+                               param=f"messages.{j}.tool_calls", code="invalid_value")
+            msg["tool_calls"] = tools.template_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
     return messages
 
@@ -50,14 +60,17 @@ def _prompt_ids(tok: Any, body: ChatBody) -> list[int]:
 
 
 def render_text(tok: Any, body: Any) -> str:
-    """The chat template applied to body's messages (a ChatBody or the /tokenize chat
-    form: messages, add_generation_prompt, chat_template, chat_template_kwargs)."""
+    """The chat template applied to body's messages and tools (a ChatBody or the /tokenize
+    chat form: messages, add_generation_prompt, chat_template, chat_template_kwargs,
+    tools)."""
     kwargs = dict(body.chat_template_kwargs or {})
     template = kwargs.pop("chat_template", None) or body.chat_template
     if not template and not getattr(tok, "chat_template", None):
         raise ApiError(400, "the model's tokenizer has no chat template",
                        param="messages", code="no_chat_template")
     messages = _messages(body)
+    if getattr(body, "tools", None):
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     try:
         return tok.apply_chat_template(messages, tokenize=False, chat_template=template,
                                        add_generation_prompt=body.add_generation_prompt,
@@ -74,13 +87,20 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")
+    tp = tools.plan(body)
+    constraint = structured.constraint(
+        body, ("tool_choice", tp.constraint) if tp.constraint else None)
+    parser = pick_parser(state.cfg.tool_call_parser, await state.tokenizer()) \
+        if tp.mode == "auto" else ""
     prompt_ids = await state.render(_prompt_ids, await state.tokenizer(), body)
     limit = int((await state.info()).get("max_model_len") or 0)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(
         1, limit - len(prompt_ids))  # OpenAI's default: up to the context length
     lp = (body.top_logprobs or 0) if body.logprobs else None
-    job = fanout.Job(prompt_ids, leader_params(body, lp, max_tokens), body.priority,
-                     body.ttl_ms)
+    params = leader_params(body, lp, max_tokens)
+    if constraint is not None:
+        params["structured_outputs"] = constraint[1]
+    job = fanout.Job(prompt_ids, params, body.priority, body.ttl_ms)
     tokens = await state.tokens() if body.logprobs else None
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",
                         int(time.time()), await state.served_name())
@@ -88,6 +108,8 @@ async def chat_completions(request: Request) -> Response:
         fan = await fanout.start(request, state.client, [job])
     except fanout.Disconnected:
         return Response(status_code=499)
+    except ApiError as e:
+        raise structured.blame(e, constraint[0]) if constraint else e from None
 
     def logprobs(ids: list[int], lps: list | None) -> dict | None:
         if tokens is None:
@@ -95,10 +117,23 @@ async def chat_completions(request: Request) -> Response:
         return chat_logprobs(tokens, ids, lps or [None] * len(ids), body.top_logprobs or 0)
 
     if body.stream:
-        def choice(_: int, d: CompletionDelta) -> dict:
-            return {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                    "logprobs": logprobs(d.token_ids, d.logprobs),
-                    "finish_reason": d.finish_reason}
+        machines: dict[int, CallMachine] = {}
+
+        def choice(_: int, d: CompletionDelta) -> dict | None:
+            delta, reason = ({"content": d.text} if d.text else {}), d.finish_reason
+            if tp.active:  # content and calls as the text comes (tool_calls.py)
+                if d.index not in machines:
+                    machines[d.index] = tp.machine(parser)
+                m = machines[d.index]
+                out = m.feed(d.text) if d.text else Delta()
+                if reason is not None:
+                    out.merge(m.finish())
+                    reason = tools.finish_reason(m, reason)
+                delta = out.chunk()
+                if not delta and reason is None and not (tokens is not None and d.token_ids):
+                    return None  # held back: it may be a call
+            return {"index": d.index, "delta": delta,
+                    "logprobs": logprobs(d.token_ids, d.logprobs), "finish_reason": reason}
 
         roles = [{"index": k, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None} for k in range(body.n)]
@@ -110,9 +145,10 @@ async def chat_completions(request: Request) -> Response:
         accs = await fanout.await_leader(request, fan, fanout.collect(fan))
     except fanout.Disconnected:
         return Response(status_code=499)
-    choices = [{"index": k, "message": {"role": "assistant", "content": a.text},
-                "logprobs": logprobs(a.token_ids, a.logprobs),
-                "finish_reason": a.finish_reason}
-               for (_, k), a in sorted(accs.items())]
+    choices = []
+    for (_, k), a in sorted(accs.items()):
+        message, reason = tools.reply(tp, parser, a.text, a.finish_reason)
+        choices.append({"index": k, "message": message,
+                        "logprobs": logprobs(a.token_ids, a.logprobs), "finish_reason": reason})
     reply = dataclasses.replace(envelope, object="chat.completion")
     return JSONResponse(reply(choices, usage=fanout.usage(accs)))

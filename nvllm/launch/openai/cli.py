@@ -15,6 +15,7 @@ import click
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.zmq_utils import is_loopback, load_client_keys
 from nvllm.launch.openai.schemas import MAX_BODY_BYTES
+from nvllm.launch.openai.tool_parsers import PARSER_CHOICES
 
 
 def check_http_host(host: str, api_key: str | None) -> None:
@@ -29,7 +30,8 @@ def start_gateway_process(endpoint: str, host: str, port: int, model_name: str |
                           *, api_key: str | None = None, curve_key_dir: str | None = None,
                           log_level: str = "warning", max_body_bytes: int | None = None,
                           trust_request_chat_template: bool = False,
-                          allow_priority: bool = False, **popen_kwargs: Any
+                          allow_priority: bool = False, tool_call_parser: str = "auto",
+                          **popen_kwargs: Any
                           ) -> subprocess.Popen:
     """Start ``python -m nvllm.launch.openai`` attached to `endpoint`; the caller owns
     the process (terminate it, then wait). Raises ValueError at once (no process) for a
@@ -47,6 +49,8 @@ def start_gateway_process(endpoint: str, host: str, port: int, model_name: str |
         cmd += ["--trust-request-chat-template"]
     if allow_priority:
         cmd += ["--allow-priority"]
+    if tool_call_parser != "auto":
+        cmd += ["--tool-call-parser", tool_call_parser]
     env = dict(popen_kwargs.pop("env", None) or os.environ, NVLLM_PARENT_PID=str(os.getpid()))
     if api_key:  # by environment, not argv: ps shows every user a process's arguments
         env["NVLLM_API_KEY"] = api_key
@@ -88,11 +92,16 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--allow-priority", is_flag=True,
               help="Let HTTP requests set priority (lower runs first and may preempt "
                    "others); refused by default.")
+@click.option("--tool-call-parser", default="auto", type=click.Choice(PARSER_CHOICES),
+              help="How tool_choice \"auto\" finds tool calls in the model's text: hermes "
+                   "(<tool_call> JSON </tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json "
+                   "(a JSON call as the whole output), or auto: from the tokenizer.")
 @click.option("--log-level", default="info",
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: str | None,
          tokenizer: str | None, curve_key_dir: str | None, max_body_bytes: int,
-         trust_request_chat_template: bool, allow_priority: bool, log_level: str) -> None:
+         trust_request_chat_template: bool, allow_priority: bool, tool_call_parser: str,
+         log_level: str) -> None:
     """OpenAI-compatible HTTP server for a running nvllm engine."""
     try:
         check_http_host(host, api_key)
@@ -112,7 +121,7 @@ def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: s
     app = create_app(GatewayConfig(
         endpoint, model_name, api_key, tokenizer, curve_key_dir, max_body_bytes=max_body_bytes,
         trust_request_chat_template=trust_request_chat_template,
-        allow_priority=allow_priority))
+        allow_priority=allow_priority, tool_call_parser=tool_call_parser))
     sock = _bind(host, port)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=5)

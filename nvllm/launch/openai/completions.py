@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from nvllm.common.outputs import CompletionDelta
-from nvllm.launch.openai import fanout
+from nvllm.launch.openai import fanout, structured
 from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.logprobs import completion_logprobs
 from nvllm.launch.openai.schemas import CompletionBody, leader_params, parse_body
@@ -61,6 +61,8 @@ async def completions(request: Request) -> Response:
     prompts = _prompts(body)
     max_tokens = body.max_completion_tokens or body.max_tokens or 16  # OpenAI's default
     params = leader_params(body, body.logprobs, max_tokens)
+    if (constraint := structured.constraint(body)) is not None:
+        params["structured_outputs"] = constraint[1]
     tokens = await state.tokens() if body.logprobs is not None else None
     jobs = [fanout.Job(q, params, body.priority, body.ttl_ms) for q in prompts]
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()),
@@ -69,6 +71,8 @@ async def completions(request: Request) -> Response:
         fan = await fanout.start(request, state.client, jobs)
     except fanout.Disconnected:
         return Response(status_code=499)
+    except ApiError as e:
+        raise structured.blame(e, constraint[0]) if constraint else e from None
     logprobs, n = _Logprobs(tokens, body.logprobs), body.n
 
     if body.stream:

@@ -38,7 +38,19 @@ class ApiError(Exception):
 _UNION_FORMS = {"prompt": "a string, a list of token ids, or a non-empty list of either "
                           "(not mixed)",
                 "stop": "a string or a list of strings",
-                "content": "a string or a list of content parts"}
+                "content": "a string or a list of content parts",
+                "tool_choice": '"none", "auto", "required" or {"type": "function", '
+                               '"function": {"name": ...}}',
+                "guided_json": "a JSON schema (an object or its JSON text)",
+                "json": "a JSON schema (an object or its JSON text)",
+                "schema": "a JSON schema (an object or its JSON text)"}
+
+
+def _path(loc: tuple) -> str:
+    """A validation error's field path. Unions add the member type to the location
+    ("prompt", "str"): name only the fields."""
+    return ".".join(p for p in map(str, loc)
+                    if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool", p))
 
 
 def from_validation(e: ValidationError) -> ApiError:
@@ -47,15 +59,15 @@ def from_validation(e: ValidationError) -> ApiError:
     if err["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json")
     errors = e.errors()
-    if len({x["loc"][:1] for x in errors}) == 1 and len(errors) > 1 and err["loc"]:
-        # Every member of a union failed (e.g. prompt): one message, not one per member.
-        name = str(err["loc"][0])
-        return ApiError(400, f"{name}: must be "
-                             f"{_UNION_FORMS.get(name, 'one of the accepted forms')}",
-                        param=name, code="invalid_value")
-    loc = [str(p) for p in err["loc"]]
-    # Unions add the member type to the location ("prompt", "str"): name only the field path.
-    param = ".".join(p for p in loc if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool", p))
+    paths = {_path(x["loc"]) for x in errors}
+    if len(errors) > 1 and err["loc"] and (
+            len(paths) == 1 or len({x["loc"][:1] for x in errors}) == 1):
+        # Every member of a union failed (e.g. prompt, structured_outputs.json): one message,
+        # not one per member, naming the field (the deepest one they share).
+        name = paths.pop() if len(paths) == 1 else str(err["loc"][0])
+        form = _UNION_FORMS.get(name.rpartition(".")[2], "one of the accepted forms")
+        return ApiError(400, f"{name}: must be {form}", param=name, code="invalid_value")
+    param = _path(err["loc"])
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return ApiError(400, f"{param or 'body'}: {err['msg']}{more}", param=param or None,
                     code="invalid_value")

@@ -1,7 +1,7 @@
-"""Request bodies (strict pydantic models), the one place that says which OpenAI fields
-are refused or accepted-and-ignored, the size limits, the (off-event-loop) body reader and
-parser, their checks against the served model, and the SamplingParams map each body
-becomes for the leader."""
+"""Request bodies (strict pydantic models, output constraints and tools among them), the
+one place that says which OpenAI fields are refused or accepted-and-ignored, the size
+limits, the (off-event-loop) body reader and parser, their checks against the served
+model, and the SamplingParams map each body becomes for the leader."""
 
 from __future__ import annotations
 
@@ -9,10 +9,18 @@ import asyncio
 import json
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from nvllm.launch.openai.errors import ApiError, from_validation
 
@@ -37,12 +45,20 @@ MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_INT32 = 2**31 - 1  # every other integer field: token ids, counts, lengths
 _MAX_SEED = 2**63 - 1
 PARSE_INLINE_BYTES = 64 << 10  # bigger bodies are parsed in a worker thread
+# Output constraints and tools. The leader compiles every constraint and has its own limit;
+# these keep a body from making the gateway build (tool_choice "required") or forward more.
+MAX_CONSTRAINT_CHARS = 64 << 10  # a JSON schema (as compact JSON text), a regex, a grammar
+MAX_SCHEMA_DEPTH = 64  # a JSON schema's nesting: nothing recurses past it, here or there
+MAX_CHOICES = 256  # strings in a choice constraint
+MAX_CHOICE_CHARS = 1024  # characters in one of them
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 256  # tool calls in one message of the conversation
 
 # ---- OpenAI fields we do not implement: refused, never silently ignored ------------------
 # name -> the values that change nothing (sent by clients that fill in defaults); any other
 # value gets 400 naming the field. best_of is accepted only equal to n (checked below).
 UNSUPPORTED: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}),
+    # tools, tool_choice, parallel_tool_calls: refused on /v1/completions (ChatBody has them)
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -59,8 +75,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "verbosity": (None,),
     "use_beam_search": (None, False),  # vLLM's
     "truncate_prompt_tokens": (None,),  # vLLM's
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),  # vLLM's
 }
 # Fields that change nothing here and that clients send: accepted and dropped.
 ACCEPTED_IGNORED = frozenset({
@@ -91,6 +105,96 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool | None = None  # vLLM bench's; usage comes at the end
+
+
+def _depth_ok(value: Any) -> bool:
+    """Whether `value` nests at most MAX_SCHEMA_DEPTH containers deep. Iterative."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                return False
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def _schema_dict(schema: dict) -> dict:
+    """A JSON schema within the depth and size limits (a ValueError names the limit)."""
+    if not _depth_ok(schema):
+        raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
+    try:
+        n = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False,
+                           allow_nan=False))
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError("the schema is not JSON") from None
+    if n > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the schema is {n} characters as JSON, more than the limit of "
+                         f"{MAX_CONSTRAINT_CHARS}")
+    return schema
+
+
+def _schema_text(schema: dict | str) -> str:
+    """A JSON schema (an object, or its JSON text) as compact JSON text, within the limits:
+    what the leader's structured_outputs.json takes."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the schema is {len(schema)} characters, more than the limit "
+                             f"of {MAX_CONSTRAINT_CHARS}")
+        try:
+            schema = json.loads(schema, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            raise ValueError("the schema text is not valid JSON") from None
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+    _schema_dict(schema)
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+SchemaDict = Annotated[dict[str, Any], AfterValidator(_schema_dict)]
+SchemaText = Annotated[dict[str, Any] | str, AfterValidator(_schema_text)]
+ConstraintText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+def _choices_total(choices: list[str]) -> list[str]:
+    n = sum(map(len, choices))
+    if n > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the choices are {n} characters together, more than the limit of "
+                         f"{MAX_CONSTRAINT_CHARS}")
+    return choices
+
+
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+                    Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(_choices_total)]
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = Field(None, max_length=MAX_CONSTRAINT_CHARS)
+    schema_: SchemaText = Field(alias="schema")
+    strict: bool | None = None  # the output always matches the schema here
+
+
+class ResponseFormat(_Body):
+    """OpenAI's: text (no constraint), json_object, or json_schema (with its json_schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema goes with type "json_schema", and only there')
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs (exactly one field set; nvllm/launch/openai/structured.py
+    checks that and names what is wrong)."""
+
+    json_: SchemaText | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: ConstraintText | None = None
+    grammar: ConstraintText | None = None  # EBNF in xgrammar's syntax, rule `root`
+    choice: Choices | None = None
 
 
 class SamplingBody(_Body):
@@ -139,6 +243,13 @@ class SamplingBody(_Body):
         if len({int(k) for k in v}) < len(v):
             raise ValueError("two keys name the same token id")
         return v
+    # output constraints: at most one of these (structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SchemaText | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: ConstraintText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: ConstraintText | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -160,11 +271,50 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: str | None = Field(None, max_length=MAX_CONSTRAINT_CHARS)
+    parameters: SchemaDict | None = None  # None: no arguments
+    strict: bool | None = None  # forced calls always match; auto ones are parsed as they come
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Body):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: str
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None \
         = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
 
 
 class ChatBody(SamplingBody):
@@ -174,6 +324,9 @@ class ChatBody(SamplingBody):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 BodyT = TypeVar("BodyT", bound=_Body)

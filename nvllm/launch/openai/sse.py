@@ -63,7 +63,8 @@ async def fanout_events(fan: Fanout, envelope: Envelope,
                         first_choices: Iterable[dict] = (),
                         trace: Tracer | None = None) -> AsyncIterator[str]:
     """`fan`'s deltas as events: one chunk per ``first_choices`` entry, then one chunk per
-    delta that says something (``choice(prompt index, delta)``), then with `include_usage`
+    delta that says something (``choice(prompt index, delta)``; None: nothing to say yet,
+    no chunk), then with `include_usage`
     a chunk with no choices and the usage, then ``[DONE]``. A delta with neither text nor
     a finish reason is skipped (text held back while it may be a stop string) unless
     `with_token_ids` (its tokens' logprobs are shown) and it has tokens. A leader error
@@ -81,7 +82,10 @@ async def fanout_events(fan: Fanout, envelope: Envelope,
                 continue
             if d.finish_reason is not None:
                 finals[(i, d.index)] = d
-            yield sse(envelope([choice(i, d)]))
+            c = choice(i, d)
+            if c is None:
+                continue
+            yield sse(envelope([c]))
             if trace is not None:  # resumed: Starlette has sent the chunk
                 trace.event("sse_sent", rid=d.request_id, i=d.index, n=n)
         if include_usage:

@@ -27,6 +27,7 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES  # bigger request bodies get 413
     trust_request_chat_template: bool = False  # a chat template from the request is code
     allow_priority: bool = False  # HTTP callers may set priority (and preempt others)
+    tool_call_parser: str = "auto"  # tool_parsers.PARSER_CHOICES: how "auto" finds calls
 
 
 class GatewayState:

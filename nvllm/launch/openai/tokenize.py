@@ -2,11 +2,12 @@
 
 ``POST /tokenize`` takes either ``{"prompt": str, "add_special_tokens": true}`` or the
 chat form ``{"messages": [...], "add_generation_prompt": true, "add_special_tokens":
-false, "chat_template_kwargs": {...}}`` (rendered exactly as ``/v1/chat/completions``
-renders it), plus ``"return_token_strs"``; it answers ``{"count", "max_model_len",
-"tokens", "token_strs"}``. ``POST /detokenize`` takes ``{"tokens": [int, ...]}`` and
-answers ``{"prompt": str}``. Both sit behind the API key like ``/v1``, read their body
-within the gateway's byte limit, and tokenize or render in the gateway's render pool.
+false, "chat_template_kwargs": {...}, "tools": [...]}`` (rendered exactly as
+``/v1/chat/completions`` renders it), plus ``"return_token_strs"``; it answers
+``{"count", "max_model_len", "tokens", "token_strs"}``. ``POST /detokenize`` takes
+``{"tokens": [int, ...]}`` and answers ``{"prompt": str}``. Both sit behind the API key
+like ``/v1``, read their body within the gateway's byte limit, and tokenize or render in
+the gateway's render pool.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.schemas import (
     MAX_MESSAGES,
     MAX_PROMPT_TOKEN_IDS,
+    MAX_TOOLS,
     ChatMessage,
     TokenId,
+    Tool,
     _Body,
     parse_plain_body,
 )
@@ -45,6 +48,7 @@ class TokenizeChatBody(_Body):
     add_special_tokens: bool = False  # the template holds the special tokens it wants
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
 
 

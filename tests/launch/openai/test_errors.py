@@ -25,8 +25,12 @@ def test_validation_errors():
     e = invalid(CompletionBody, b'{"prompt": "x", "temperature": "0.5"}')
     assert e["param"] == "temperature" and e["code"] == "invalid_value"
     e = invalid(ChatBody, b'{"messages": [{"role": "user", "content": 5}]}')
-    assert e["param"] == "messages"
-    assert e["message"] == "messages: must be one of the accepted forms"
+    assert e["param"] == "messages.0.content"  # the union that failed, not just its list
+    assert e["message"] == "messages.0.content: must be a string or a list of content parts"
+    e = invalid(CompletionBody, b'{"prompt": "x", "structured_outputs": {"json": 5}}')
+    assert e["param"] == "structured_outputs.json"
+    assert e["message"] == ("structured_outputs.json: must be a JSON schema (an object or its "
+                            "JSON text)")
 
 
 def test_check_body_limits():
