@@ -36,8 +36,11 @@ class WorkerSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    # Top-k of the prompt positions this sequence computes (None: do not score the prompt;
+    # the leader sets it on one sequence of a request, until its prompt is scored).
+    prompt_logprobs: int | None = None
     SPEC: ClassVar[tuple] = ("float", "float", "int", "float", "?int", "int", "ints",
-                             "float", "float", "float", "?int")
+                             "float", "float", "float", "?int", "?int")
 
 
 @dataclass(slots=True)
@@ -113,8 +116,12 @@ class StepResult:
     # Per sampled sequence when asked: [logprob of the token, [[id, logprob], ...]]
     logprobs: list | None
     worker_time_s: float
+    # Per sequence that scored prompt positions this step (its chunk's):
+    # [seq_id, first, [[logprob, [[id, logprob], ...]], ...]], entry j scoring prompt token
+    # first + j (>= 1) given the tokens before it. None: no sequence asked.
+    prompt_logprobs: list | None = None
     KIND: ClassVar[int] = 11
-    SPEC: ClassVar[tuple] = ("int", "ints", "ints", "any", "float")
+    SPEC: ClassVar[tuple] = ("int", "ints", "ints", "any", "float", "any")
 
 
 @dataclass(slots=True)

@@ -15,14 +15,18 @@ from nvllm.common.sampling_params import SamplingParams
 from nvllm.leader.scheduler import SchedulerOutput
 
 
-def to_worker_sampling(p: SamplingParams) -> worker_protocol.WorkerSampling:
+def to_worker_sampling(p: SamplingParams, prompt_logprobs: bool = False
+                       ) -> worker_protocol.WorkerSampling:
+    """What the workers need of `p`; `prompt_logprobs`: this sequence scores the prompt
+    (Sequence.wants_prompt_logprobs), so the workers get p.prompt_logprobs."""
     return worker_protocol.WorkerSampling(
         temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k,
         min_p=float(p.min_p), seed=p.seed, min_tokens=p.min_tokens,
         stop_token_ids=sorted(p.all_stop_token_ids()),
         repetition_penalty=float(p.repetition_penalty),
         presence_penalty=float(p.presence_penalty),
-        frequency_penalty=float(p.frequency_penalty), logprobs=p.logprobs)
+        frequency_penalty=float(p.frequency_penalty), logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None)
 
 
 class PlanBuilder:
@@ -39,7 +43,8 @@ class PlanBuilder:
             if not seq.on_worker:
                 new_seqs.append(worker_protocol.NewSeq(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, start, n,
-                    list(seq.block_table), to_worker_sampling(seq.params)))
+                    list(seq.block_table),
+                    to_worker_sampling(seq.params, seq.wants_prompt_logprobs)))
                 seq.on_worker = True
             else:
                 running.append(worker_protocol.RunningSeq(

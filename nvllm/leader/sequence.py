@@ -47,6 +47,12 @@ class Sequence:
     # Prompt tokens served from the prefix cache at the first admission (usage).
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # This sequence scores its request's prompt (SamplingParams.prompt_logprobs; one per
+    # request) and has not been given a token yet: until then every admission computes the
+    # prompt from its first token, bypassing the prefix cache, so the workers score every
+    # position (the OutputProcessor takes each once). Its first sampled token clears it:
+    # that result also carried the last prompt chunk's scores.
+    wants_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:

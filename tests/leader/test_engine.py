@@ -32,12 +32,13 @@ def new_seqs_of(workers, seq_id: int) -> list[protocol.NewSeq]:
 
 def test_every_sampling_field_reaches_the_workers(make_engine):
     """Each field of WorkerSampling, set away from its default, arrives as given in the
-    plan's NewSeq.sampling (stop_token_ids: the request's plus the model's EOS ids)."""
+    plan's NewSeq.sampling (stop_token_ids: the request's plus the model's EOS ids;
+    prompt_logprobs: only to the request's first sequence, which scores the prompt)."""
     engine, workers = make_engine()
     params = SamplingParams(temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234,
                             max_tokens=6, min_tokens=2, stop_token_ids=[41, 17],
                             repetition_penalty=1.25, presence_penalty=0.5,
-                            frequency_penalty=-0.25, logprobs=3)
+                            frequency_penalty=-0.25, logprobs=3, prompt_logprobs=2)
     no_eos = params.clone(ignore_eos=True, n=2, seed=77)
     req = submit(engine, prompt_token_ids=prompt_ids(0, 5), params=params)
     req2 = submit(engine, prompt_token_ids=prompt_ids(10, 5), params=no_eos)
@@ -46,7 +47,7 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     want = protocol.WorkerSampling(
         temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234, min_tokens=2,
         stop_token_ids=sorted({41, 17, *eos}), repetition_penalty=1.25,
-        presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3)
+        presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3, prompt_logprobs=2)
     # The test covers every field: none of them may be left at its default.
     for f in dataclasses.fields(protocol.WorkerSampling):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -58,7 +59,8 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     # get consecutive seeds.
     for i, seq in enumerate(req2.seqs):
         (ns,) = new_seqs_of(workers, seq.seq_id)
-        assert ns.sampling == dataclasses.replace(want, stop_token_ids=[17, 41], seed=77 + i)
+        assert ns.sampling == dataclasses.replace(want, stop_token_ids=[17, 41], seed=77 + i,
+                                                  prompt_logprobs=2 if i == 0 else None)
 
 
 # ---- prefix caching -------------------------------------------------------------------------
