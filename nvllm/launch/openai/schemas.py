@@ -50,7 +50,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "parallel_tool_calls": (None,),  # any value: without tools it only confuses
     "suffix": (None, ""),
     "best_of": (None,),
-    "echo": (None, False),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -119,6 +118,8 @@ class SamplingBody(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's: score the prompt (top-k per token); the reply's prompt_logprobs. Not streamed.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def include_usage(self) -> bool:
@@ -133,6 +134,8 @@ class CompletionBody(SamplingBody):
     prompt: (str | TokenIds | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
              | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)])
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Each choice's text (and, with logprobs, its logprobs object) starts with the prompt.
+    echo: bool = False
 
 
 class ContentPart(_Body):
@@ -152,6 +155,7 @@ class ChatBody(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's (echo the last message): only false is supported
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -309,11 +313,16 @@ def check_body(body: SamplingBody, limit: int | None) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options",
                        code="invalid_value")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM
+        raise ApiError(400, "prompt_logprobs are not available when stream is true",
+                       param="prompt_logprobs", code="invalid_value")
 
 
-def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int) -> dict:
+def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int,
+                  prompt_logprobs: int | None = None) -> dict:
     """The SamplingParams map sent to the leader: only what the request set, so the leader's
-    defaults (and its validation) stay the single source of truth."""
+    defaults (and its validation) stay the single source of truth. `prompt_logprobs`:
+    the top-k to score the prompt with (the body's, or what echo with logprobs needs)."""
     p: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "ignore_eos", "min_tokens", "repetition_penalty",
@@ -327,4 +336,6 @@ def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int) -> 
         p["stop"] = stop
     if logprobs is not None:
         p["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        p["prompt_logprobs"] = prompt_logprobs
     return p
