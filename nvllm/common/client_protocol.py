@@ -140,16 +140,19 @@ class Output:
     logprobs: list | None
     finish_reason: str | None
     usage: dict | None = None
+    # Only on each completion's first message when the request asked (CompletionDelta).
+    prompt_logprobs: list | None = None
     OP: ClassVar[str] = "output"
 
     @classmethod
     def of(cls, delta: CompletionDelta, client_id: RequestId) -> Output:
         return cls(client_id, delta.index, delta.token_ids, delta.text, delta.logprobs,
-                   delta.finish_reason, delta.usage)
+                   delta.finish_reason, delta.usage, delta.prompt_logprobs)
 
     def to_delta(self) -> CompletionDelta:
         return CompletionDelta(str(self.id), self.index, self.token_ids, self.text,
-                               self.logprobs, self.finish_reason, self.usage)
+                               self.logprobs, self.finish_reason, self.usage,
+                               self.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -202,15 +205,16 @@ _BY_OP = {c.OP: c for c in CLIENT_MESSAGES}
 
 
 def to_map(msg: Any) -> dict[str, Any]:
-    """The msgpack map of a message: ``op`` first, then its fields (``usage`` only when
-    set; a Submit's params as a map without the engine-filled ``eos_token_ids``)."""
+    """The msgpack map of a message: ``op`` first, then its fields (``usage`` and
+    ``prompt_logprobs`` only when set; a Submit's params as a map without the engine-filled
+    ``eos_token_ids``)."""
     out: dict[str, Any] = {"op": msg.OP}
     for f in fields(msg):
         v = getattr(msg, f.name)
         if isinstance(v, SamplingParams):
             v = v.to_dict()
             v.pop("eos_token_ids", None)
-        elif f.name == "usage" and v is None:
+        elif f.name in ("usage", "prompt_logprobs") and v is None:
             continue
         out[f.name] = v
     if type(msg) in CLIENT_MESSAGES and not isinstance(msg, Ping):
@@ -386,7 +390,7 @@ def decode_server_frame(payload: bytes) -> Output | Error | Info | Health | Metr
         if op == "output":
             return Output(msg.get("id"), int(msg.get("index", 0)), msg.get("token_ids") or [],
                           msg.get("text") or "", msg.get("logprobs"), msg.get("finish_reason"),
-                          msg.get("usage"))
+                          msg.get("usage"), msg.get("prompt_logprobs"))
         if op == "error":
             return Error(msg.get("id"), str(msg.get("code", "error")),
                          str(msg.get("message", "")))

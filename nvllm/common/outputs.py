@@ -33,6 +33,10 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, then
+    # {token_id: logprob} (the prompt token's and the top-k); None when not asked, or when
+    # the request ended (abort, timeout, error) before its whole prompt was scored.
+    prompt_logprobs: list | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,7 +58,12 @@ class CompletionDelta:
     """What one step added to one completion: only the new tokens and text.
 
     ``finish_reason`` is set on the completion's last delta, which also carries ``usage``
-    (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``)."""
+    (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``). With
+    SamplingParams.prompt_logprobs, the first delta of every completion carries the whole
+    prompt's (``RequestOutput.prompt_logprobs``' shape): each completion is a stream a
+    client may read alone (an HTTP choice echoes the prompt with them), and the leader
+    holds a completion's deltas back until the prompt is scored, so it never has to send
+    them twice or in pieces."""
 
     request_id: str
     index: int
@@ -63,6 +72,7 @@ class CompletionDelta:
     logprobs: list | None = None  # one {token_id: logprob} map per new token, or None
     finish_reason: str | None = None
     usage: dict | None = None
+    prompt_logprobs: list | None = None  # on a completion's first delta: see above
 
 
 @dataclass(slots=True)
@@ -75,8 +85,11 @@ class CompletionAccumulator:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict | None = None
+    prompt_logprobs: list | None = None
 
     def add(self, d: CompletionDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.token_ids.extend(d.token_ids)
         self.text += d.text
         if d.logprobs:
@@ -92,7 +105,8 @@ class CompletionAccumulator:
     def to_delta(self, request_id: str) -> CompletionDelta:
         """Everything as one delta (a non-streaming reply)."""
         return CompletionDelta(request_id, self.index, self.token_ids, self.text,
-                               self.logprobs or None, self.finish_reason, self.usage)
+                               self.logprobs or None, self.finish_reason, self.usage,
+                               self.prompt_logprobs)
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.token_ids, self.text, self.finish_reason,
@@ -119,4 +133,6 @@ class RequestAccumulator:
         usage = self.completions[0].usage or {}
         return RequestOutput(request_id, self.prompt, list(prompt_token_ids or []),
                              [c.to_output() for c in self.completions], finished=True,
-                             num_cached_tokens=usage.get("cached_tokens", 0))
+                             num_cached_tokens=usage.get("cached_tokens", 0),
+                             prompt_logprobs=next((c.prompt_logprobs for c in self.completions
+                                                   if c.prompt_logprobs is not None), None))

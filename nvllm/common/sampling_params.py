@@ -46,6 +46,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Filled by the engine from the checkpoint's generation config, not by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    # Score the prompt too (vLLM's prompt_logprobs): each prompt token after the first gets
+    # its logprob and the top-k (k = this, 0..20); the first gets None. Computed in the
+    # prefill only when asked, once per request; see RequestOutput.prompt_logprobs.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +119,9 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
+        lp = self.prompt_logprobs
+        if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
+            raise bad("prompt_logprobs", "must be None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:

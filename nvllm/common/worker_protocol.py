@@ -43,8 +43,12 @@ class WorkerSampling:
     # checked them): rank 0 adds them to the row as they are, with no map to rebuild.
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    # Top-k of the prompt positions this sequence computes (None: do not score the prompt;
+    # the leader sets it on one sequence of a request, until its prompt is scored).
+    prompt_logprobs: int | None = None
     SPEC: ClassVar[tuple] = ("float", "float", "int", "float", "?int", "int", "ints",
-                             "float", "float", "float", "?int", "?str", "ints", "floats")
+                             "float", "float", "float", "?int", "?str", "ints", "floats",
+                             "?int")
 
 
 @dataclass(slots=True)
@@ -134,8 +138,12 @@ class StepResult:
     # Per sampled sequence when asked: [logprob of the token, [[id, logprob], ...]]
     logprobs: list | None
     worker_time_s: float
+    # Per sequence that scored prompt positions this step (its chunk's):
+    # [seq_id, first, [[logprob, [[id, logprob], ...]], ...]], entry j scoring prompt token
+    # first + j (>= 1) given the tokens before it. None: no sequence asked.
+    prompt_logprobs: list | None = None
     KIND: ClassVar[int] = 11
-    SPEC: ClassVar[tuple] = ("int", "ints", "ints", "any", "float")
+    SPEC: ClassVar[tuple] = ("int", "ints", "ints", "any", "float", "any")
 
 
 @dataclass(slots=True)

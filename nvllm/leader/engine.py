@@ -228,8 +228,11 @@ class LLMEngine:
         step = self._inflight[0]
         result = self.executor.recv_result(step.step_id, step.sched.sampling_seq_ids,
                                            step.generation, cancelled)
-        updates = self.scheduler.update_from_output(step.sched, result)
         first = len(out.deltas)
+        if result.prompt_logprobs:  # before the tokens: a first token finds its prompt scored
+            self.output_processor.add_prompt_logprobs(
+                {seq.seq_id: seq for seq, _ in step.sched.scheduled}, result.prompt_logprobs, out)
+        updates = self.scheduler.update_from_output(step.sched, result)
         for seq in self.output_processor.process(updates, out):
             self.scheduler.finish(seq, "stop")  # a stop string ended it
         out.steps.append((first, len(out.deltas), step.step_id))

@@ -66,7 +66,9 @@ class InputProcessor:
             p = params if params.n == 1 or params.seed is None else params.clone(
                 seed=(params.seed + i) % 2**63)
             req.seqs.append(Sequence(next(self._seq_ids), request_id, list(ids), len(ids), p,
-                                     index=i, priority=priority))
+                                     index=i, priority=priority,
+                                     wants_prompt_logprobs=i == 0 and p.prompt_logprobs
+                                     is not None))
         return req
 
     def _validate(self, ids: Any, params: SamplingParams) -> list[int]:

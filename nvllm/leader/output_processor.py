@@ -6,6 +6,13 @@ found in the text ends its completion too, and ``process`` returns those sequenc
 engine finishes them in the scheduler before the next plan is built. Every completion
 gets exactly one final delta (with ``finish_reason`` and usage), every request one
 ``RequestOutput``.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``) arrive per prefill chunk from the one
+sequence of the request that scores the prompt (``add_prompt_logprobs``), in order; a
+recompute after a preemption or a worker restart scores positions again, and each is taken
+once. Every completion's first delta carries the whole list, so a completion whose first
+token comes before the prompt is scored (another sequence of the request, served from the
+prefix cache) has its deltas held until it is.
 """
 
 from __future__ import annotations
@@ -64,7 +71,32 @@ class OutputProcessor:
             req.finish_reasons.append(None)
             req.last_token_time.append(0.0)
             assert seq.index == len(req.detoks) - 1
+        if p.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has no logprob
+            req.prompt_logprobs_sent = [False] * len(req.seqs)
         self.requests[req.request_id] = req
+
+    def add_prompt_logprobs(self, seqs: dict[int, Sequence], entries: list,
+                            out: EngineOutput) -> None:
+        """Take one step's prompt scores (StepResult.prompt_logprobs; `seqs`: the step's
+        sequences by id). Chunks come in order and every (re)computation of a sequence that
+        scores its prompt starts at its first token, so entries either extend the list or
+        repeat what it holds: repeats are dropped. Releases held deltas once complete."""
+        for sid, first, items in entries:
+            seq = seqs.get(sid)
+            req = None if seq is None else self.requests.get(seq.request_id)
+            if req is None or req.prompt_logprobs is None or req.seqs[seq.index] is not seq:
+                continue  # ended meanwhile (aborted, timed out)
+            lps, ids = req.prompt_logprobs, req.prompt_token_ids
+            for pos in range(max(first, len(lps)), min(first + len(items), len(ids))):
+                if pos != len(lps):
+                    break  # a gap: never made by the scheduler; nothing is guessed
+                lp, top = items[pos - first]
+                entry = {int(t): float(v) for t, v in top}
+                entry[ids[pos]] = float(lp)  # the prompt token's own, top-k or not
+                lps.append(entry)
+            if req.held and req.prompt_scored:
+                self._release(req, out)
 
     def process(self, updates: list[SeqUpdate], out: EngineOutput) -> list[Sequence]:
         """Turn one step's tokens into deltas; returns the sequences a stop string ended
@@ -93,8 +125,8 @@ class OutputProcessor:
                     reason = "stop"
                     stopped.append(seq)
             if reason is None:
-                out.deltas.append(CompletionDelta(req.request_id, seq.index, [u.token], text,
-                                                  lps))
+                self._emit(req, CompletionDelta(req.request_id, seq.index, [u.token], text, lps),
+                           out)
             else:
                 self._finish_completion(req, seq, reason, [u.token], lps, text, out)
         return stopped
@@ -102,6 +134,9 @@ class OutputProcessor:
     def abort(self, req: Request, reason: str) -> EngineOutput:
         """End every completion still open with `reason`, and the request."""
         out = EngineOutput()
+        if not req.prompt_scored:
+            req.prompt_logprobs = None  # never scored whole: none are given
+        self._release(req, out)
         for seq in req.seqs:
             if req.finish_reasons[seq.index] is None:
                 self._finish_completion(req, seq, reason, [], None, "", out)
@@ -127,10 +162,30 @@ class OutputProcessor:
         usage = {"prompt_tokens": seq.num_prompt_tokens,
                  "completion_tokens": seq.num_output_tokens,
                  "cached_tokens": req.num_cached_tokens}
-        out.deltas.append(CompletionDelta(req.request_id, seq.index, token_ids, text, lps,
-                                          reason, usage))
+        self._emit(req, CompletionDelta(req.request_id, seq.index, token_ids, text, lps, reason,
+                                        usage), out)
         if req.finished:
+            if req.held:  # (the scoring sequence ended, so it cannot be: never leave any)
+                req.prompt_logprobs = None
+                self._release(req, out)
             out.finished.append(self._finish_request(req))
+
+    def _emit(self, req: Request, d: CompletionDelta, out: EngineOutput) -> None:
+        """Send `d`, or hold it while the prompt is being scored; a completion's first
+        delta out carries the prompt logprobs."""
+        if req.prompt_logprobs is not None:
+            if not req.prompt_scored:
+                req.held.append(d)
+                return
+            if not req.prompt_logprobs_sent[d.index]:
+                req.prompt_logprobs_sent[d.index] = True
+                d.prompt_logprobs = req.prompt_logprobs
+        out.deltas.append(d)
+
+    def _release(self, req: Request, out: EngineOutput) -> None:
+        held, req.held = req.held, []
+        for d in held:
+            self._emit(req, d, out)
 
     def _finish_request(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
@@ -142,4 +197,6 @@ class OutputProcessor:
                                  req.logprobs[s.index])
                 for s, d in zip(req.seqs, req.detoks)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
-                             finished=True, num_cached_tokens=req.num_cached_tokens)
+                             finished=True, num_cached_tokens=req.num_cached_tokens,
+                             prompt_logprobs=req.prompt_logprobs if req.prompt_scored
+                             else None)

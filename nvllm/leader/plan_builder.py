@@ -15,8 +15,11 @@ from nvllm.common.sampling_params import SamplingParams
 from nvllm.leader.scheduler import SchedulerOutput
 
 
-def to_worker_sampling(p: SamplingParams, grammar_key: str | None = None
-                       ) -> worker_protocol.WorkerSampling:
+def to_worker_sampling(p: SamplingParams, grammar_key: str | None = None,
+                       prompt_logprobs: bool = False) -> worker_protocol.WorkerSampling:
+    """What the workers need of `p`; `grammar_key`: its compiled grammar's (structured
+    output); `prompt_logprobs`: this sequence scores the prompt
+    (Sequence.wants_prompt_logprobs), so the workers get p.prompt_logprobs."""
     return worker_protocol.WorkerSampling(
         temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k,
         min_p=float(p.min_p), seed=p.seed, min_tokens=p.min_tokens,
@@ -26,7 +29,8 @@ def to_worker_sampling(p: SamplingParams, grammar_key: str | None = None
         frequency_penalty=float(p.frequency_penalty), logprobs=p.logprobs,
         grammar_key=grammar_key,
         logit_bias_ids=list(p.logit_bias or ()),
-        logit_bias_values=list((p.logit_bias or {}).values()))
+        logit_bias_values=list((p.logit_bias or {}).values()),
+        prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None)
 
 
 class PlanBuilder:
@@ -44,7 +48,8 @@ class PlanBuilder:
                 new_seqs.append(worker_protocol.NewSeq(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, start, n,
                     list(seq.block_table), to_worker_sampling(
-                        seq.params, seq.grammar.key if seq.grammar is not None else None)))
+                        seq.params, seq.grammar.key if seq.grammar is not None else None,
+                        seq.wants_prompt_logprobs)))
                 seq.on_worker = True
             else:
                 running.append(worker_protocol.RunningSeq(

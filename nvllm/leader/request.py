@@ -29,6 +29,18 @@ class Request:
     finish_reasons: list[str | None] = field(default_factory=list)
     last_token_time: list[float] = field(default_factory=list)
     first_token_time: float | None = None
+    # SamplingParams.prompt_logprobs: the prompt's entries so far, in order ([None] for the
+    # first token, then one {id: logprob} map per scored token), the completions whose first
+    # delta has carried them, and deltas held back until the whole prompt is scored.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: list[bool] = field(default_factory=list)
+    held: list = field(default_factory=list)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token has its entry (always true when none were asked for)."""
+        return (self.prompt_logprobs is None
+                or len(self.prompt_logprobs) == len(self.prompt_token_ids))
 
     @property
     def finished(self) -> bool:

@@ -150,12 +150,14 @@ class Scheduler:
             # (the engine ends a sequence that was on the workers through two deaths).
             if seq.deaths_in_flight and self._quarantined:
                 break
-            hits = self.kv.get_computed_blocks(seq)
+            # A sequence scoring its prompt computes all of it (no prefix-cache lookup).
+            hits = [] if seq.wants_prompt_logprobs else self.kv.get_computed_blocks(seq)
             num_cached = len(hits) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, n, hits):
                 break
-            self.kv.record_lookup(seq)
+            if not seq.wants_prompt_logprobs:
+                self.kv.record_lookup(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.pop()
@@ -193,6 +195,7 @@ class Scheduler:
                 continue
             seq.token_ids.append(token)
             seq.num_pending -= 1
+            seq.wants_prompt_logprobs = False  # its prompt's scores came before this token
             if seq.deaths_in_flight:  # a step went through: it is no suspect any more
                 seq.deaths_in_flight = 0
                 self._quarantined.discard(seq.seq_id)

@@ -51,6 +51,12 @@ class Sequence:
     # Structured output: the leader's CompiledGrammar (nvllm/leader/grammar.py), whose key
     # the workers' copy of the sampling parameters names.
     grammar: Any = None
+    # This sequence scores its request's prompt (SamplingParams.prompt_logprobs; one per
+    # request) and has not been given a token yet: until then every admission computes the
+    # prompt from its first token, bypassing the prefix cache, so the workers score every
+    # position (the OutputProcessor takes each once). Its first sampled token clears it:
+    # that result also carried the last prompt chunk's scores.
+    wants_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,9 @@ from nvllm.worker.sampler import Sampler, SampleRequest
 from nvllm.worker.structured_output import StructuredOutputState
 
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amortized)
+# Prompt rows scored per lm_head call: bounds the float32 logits a long chunk would
+# otherwise materialize at once (rows x vocabulary).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def micro_batch_ranges(query_lens: list[int], min_tokens: int) -> list[tuple[int, int]]:
@@ -269,6 +272,7 @@ class ModelRunner:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         sampling = [(sid, seq) for sid, seq, n in batch
                     if seq.num_computed_tokens + n == len(seq.token_ids)]
+        prompt_lps = self._prompt_logprobs(batch, hidden)
         for _, seq, n in batch:
             seq.num_computed_tokens += n
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
@@ -293,4 +297,48 @@ class ModelRunner:
         if self.tp.rank != 0:
             return None
         return worker_protocol.StepResult(plan.step_id, [sid for sid, _ in sampling], tokens,
-                                   logprobs, time.perf_counter() - t0)
+                                   logprobs, time.perf_counter() - t0, prompt_lps)
+
+    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> list | None:
+        """Score the prompt positions this step computes for sequences that asked
+        (``WorkerSampling.prompt_logprobs``), before their computed counts advance: the
+        hidden row of position i predicts prompt token i + 1. Every rank runs the same
+        lm_head calls (its gather is a collective; the plan, hence the rows, is the same on
+        all ranks); rank 0 returns StepResult.prompt_logprobs' entries, the others None."""
+        rows: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (seq id, first prompt token scored, count)
+        offset = 0
+        for sid, seq, n in batch:
+            k = seq.sampling.prompt_logprobs
+            start = seq.num_computed_tokens
+            end = min(start + n, seq.num_prompt_tokens - 1)  # the last row predicts no prompt
+            if k is not None and end > start:
+                rows.extend(range(offset, offset + end - start))
+                targets.extend(seq.token_ids[start + 1:end + 1])
+                ks.extend([k] * (end - start))
+                spans.append((sid, start + 1, end - start))
+            offset += n
+        if not rows:
+            return None
+        entries: list[list] = []
+        for a in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            logits = self.model.compute_logits(hidden[rows[a:a + PROMPT_LOGPROBS_ROWS]])
+            if logits is None:  # not rank 0: the gather is all this rank takes part in
+                continue
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            tgt = torch.tensor(targets[a:a + len(lp)], dtype=torch.long, device=lp.device)
+            chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+            kmax = max(ks[a:a + len(lp)])
+            top_v, top_i = (torch.topk(lp, kmax) if kmax else (lp[:, :0], lp[:, :0].long()))
+            for j, (v, ids) in enumerate(zip(top_v.tolist(), top_i.tolist())):
+                k = ks[a + j]
+                entries.append([chosen[j], [[t, x] for t, x in zip(ids[:k], v[:k])]])
+        if self.tp.rank != 0:
+            return None
+        out, pos = [], 0
+        for sid, first, count in spans:
+            out.append([sid, first, entries[pos:pos + count]])
+            pos += count
+        return out

@@ -62,6 +62,12 @@ def test_server_messages_round_trip():
         assert cp.decode_server_frame(cp.encode(msg)) == msg
     assert "usage" not in msgpack.unpackb(cp.encode(cp.Output.of(
         CompletionDelta("r", 0, [1], "a"), "r")))  # only on a completion's last message
+    # Prompt logprobs (on a completion's first message when asked): token-id keys survive.
+    first = CompletionDelta("r", 0, [5], "x", prompt_logprobs=[None, {7: -0.25, 9: -2.5}])
+    out = cp.decode_server_frame(cp.encode(cp.Output.of(first, "r")))
+    assert out.to_delta() == first
+    assert "prompt_logprobs" not in msgpack.unpackb(cp.encode(cp.Output.of(
+        CompletionDelta("r", 0, [1], "a"), "r")))
 
 
 def _pack(obj) -> bytes:

@@ -30,7 +30,8 @@ def test_defaults():
     dict(seed=0), dict(seed=2**63 - 1), dict(max_tokens=1), dict(min_tokens=16),
     dict(stop_token_ids=[]), dict(stop_token_ids=[0, 5]), dict(repetition_penalty=0.5),
     dict(presence_penalty=-2), dict(presence_penalty=2), dict(frequency_penalty=-2.0),
-    dict(logprobs=0), dict(logprobs=20), dict(ignore_eos=True),
+    dict(logprobs=0), dict(logprobs=20), dict(prompt_logprobs=0), dict(prompt_logprobs=20),
+    dict(ignore_eos=True),
 ])
 def test_valid_edges(kw):
     p = SamplingParams(**kw)
@@ -84,6 +85,9 @@ def test_stop_token_ids_tuple_becomes_list():
     ("logprobs", dict(logprobs=21)),
     ("logprobs", dict(logprobs=-1)),
     ("logprobs", dict(logprobs=True)),
+    ("prompt_logprobs", dict(prompt_logprobs=21)),
+    ("prompt_logprobs", dict(prompt_logprobs=-1)),
+    ("prompt_logprobs", dict(prompt_logprobs=True)),
     ("logprobs", dict(logprobs=1.0)),
 ])
 def test_invalid_value_names_the_field(field, kw):

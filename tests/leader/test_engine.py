@@ -32,12 +32,13 @@ def new_seqs_of(workers, seq_id: int) -> list[protocol.NewSeq]:
 
 def test_every_sampling_field_reaches_the_workers(make_engine):
     """Each field of WorkerSampling, set away from its default, arrives as given in the
-    plan's NewSeq.sampling (stop_token_ids: the request's plus the model's EOS ids)."""
+    plan's NewSeq.sampling (stop_token_ids: the request's plus the model's EOS ids;
+    prompt_logprobs: only to the request's first sequence, which scores the prompt)."""
     engine, workers = make_engine()
     params = SamplingParams(temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234,
                             max_tokens=6, min_tokens=2, stop_token_ids=[41, 17],
                             repetition_penalty=1.25, presence_penalty=0.5,
-                            frequency_penalty=-0.25, logprobs=3,
+                            frequency_penalty=-0.25, logprobs=3, prompt_logprobs=2,
                             structured_outputs={"regex": "[a-z ]+"},
                             logit_bias={"9": -100, 130: 2.5})
     no_eos = params.clone(ignore_eos=True, n=2, seed=77, structured_outputs=None)
@@ -48,7 +49,7 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     want = protocol.WorkerSampling(
         temperature=0.75, top_p=0.875, top_k=7, min_p=0.125, seed=1234, min_tokens=2,
         stop_token_ids=sorted({41, 17, *eos}), repetition_penalty=1.25,
-        presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3,
+        presence_penalty=0.5, frequency_penalty=-0.25, logprobs=3, prompt_logprobs=2,
         grammar_key=engine.grammars.key(params.structured_outputs),
         logit_bias_ids=[9, 130], logit_bias_values=[-100.0, 2.5])
     # The test covers every field: none of them may be left at its default.
@@ -63,7 +64,8 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     for i, seq in enumerate(req2.seqs):
         (ns,) = new_seqs_of(workers, seq.seq_id)
         assert ns.sampling == dataclasses.replace(want, stop_token_ids=[17, 41], seed=77 + i,
-                                                  grammar_key=None)
+                                                  grammar_key=None,
+                                                  prompt_logprobs=2 if i == 0 else None)
     # The compiled grammar went to rank 0 once, before the plan that needs it.
     (load,) = [m for m in workers.other if isinstance(m, protocol.LoadGrammars)]
     assert load.keys == [want.grammar_key] and load.tokenizer_info and not load.drop

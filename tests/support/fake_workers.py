@@ -3,8 +3,10 @@
 ``FakeWorkers`` keeps per-sequence state from the plans the way ``ModelRunner`` does
 (new sequences in full, running ones as block deltas, sampled tokens kept by the
 workers) and samples a scripted token for every sequence whose last token was computed, with fake
-logprobs (``fake_logprobs``) for sequences that ask for them. Plans and results go through
-the wire codec, like the real client's; ``corrupt`` can slip malformed results in first.
+logprobs (``fake_logprobs``) for sequences that ask for them, and fake prompt logprobs
+(``fake_prompt_logprobs``) for the prompt positions a plan computes for a sequence that asks.
+Plans and results go through the wire codec, like the real client's; ``corrupt`` can slip
+malformed results in first.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def fake_logprobs(n_out: int, token: int, k: int) -> list:
     else:
         top = [[t, -(j + 1) / 16] for j, t in enumerate(others[:k])]
     return [lp, top]
+
+
+def fake_prompt_logprobs(pos: int, token: int, k: int) -> list:
+    """What FakeWorkers reports for prompt token `pos` (>= 1) being `token`, for top-`k`:
+    one StepResult.prompt_logprobs item, [logprob, [[id, logprob], ...k pairs]]. Values
+    depend on the position only (binary fractions, exact through msgpack), so a test can
+    tell each position's entry from the others'."""
+    lp = -pos / 4
+    return [lp, [[800 + j, -(j + 1) / 32] for j in range(k)]]
 
 
 class FakeWorkers:
@@ -133,11 +144,16 @@ class FakeWorkers:
             fs = self.seqs[rs.seq_id]
             fs.block_table.extend(rs.new_block_ids)
             batch.append((rs.seq_id, fs, rs.num_new_tokens))
-        seq_ids, tokens, logprobs = [], [], []
+        seq_ids, tokens, logprobs, prompt_lps = [], [], [], []
         for sid, fs, n in batch:
             end = fs.num_computed_tokens + n
             assert n >= 1 and end <= len(fs.token_ids)
             assert len(fs.block_table) * BLOCK >= end, "no KV slot for a scheduled token"
+            k, first = fs.sampling.prompt_logprobs, fs.num_computed_tokens + 1
+            last = min(end, fs.num_prompt_tokens - 1)  # as ModelRunner._prompt_logprobs
+            if k is not None and last >= first:
+                prompt_lps.append([sid, first, [fake_prompt_logprobs(p, fs.token_ids[p], k)
+                                                for p in range(first, last + 1)]])
             fs.num_computed_tokens = end
             if end == len(fs.token_ids):
                 seq_ids.append(sid)
@@ -148,7 +164,8 @@ class FakeWorkers:
                 fs.token_ids.append(tokens[-1])  # workers keep what they sample
         # As the sampler: a list (None for rows that did not ask) when any row asked.
         lps = logprobs if any(x is not None for x in logprobs) else None
-        return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001)
+        return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001,
+                                   prompt_lps or None)
 
 
 def submit(engine: LLMEngine, prompt=None, params=None, **kwargs):

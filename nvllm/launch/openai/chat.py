@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions``: the messages (and tools) go through the model's chat
 template here (from its tokenizer) and reach the leader as token ids; ``n`` completions,
 as one ``chat.completion`` or a stream of ``chat.completion.chunk`` objects, their text
-read for tool calls when the request has tools (tools.py)."""
+read for tool calls when the request has tools (tools.py). vLLM's ``prompt_logprobs``
+scores the rendered prompt: a top-level ``prompt_logprobs`` list in the reply (not
+streamed), as vLLM gives it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from nvllm.common.outputs import CompletionDelta
 from nvllm.launch.openai import fanout, structured, tools
 from nvllm.launch.openai.errors import ApiError
-from nvllm.launch.openai.logprobs import chat_logprobs
+from nvllm.launch.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from nvllm.launch.openai.schemas import ChatBody, leader_params, parse_body
 from nvllm.launch.openai.sse import Envelope, stream_fanout
 from nvllm.launch.openai.state import GatewayState
@@ -84,6 +86,9 @@ def render_text(tok: Any, body: Any) -> str:
 async def chat_completions(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     body = await parse_body(request, ChatBody, state)
+    if body.echo:
+        raise ApiError(400, "echo is not supported by this server on chat completions",
+                       param="echo", code="unsupported_parameter")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")
@@ -97,11 +102,12 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens or max(
         1, limit - len(prompt_ids))  # OpenAI's default: up to the context length
     lp = (body.top_logprobs or 0) if body.logprobs else None
-    params = leader_params(body, lp, max_tokens)
+    params = leader_params(body, lp, max_tokens, body.prompt_logprobs)
     if constraint is not None:
         params["structured_outputs"] = constraint[1]
     job = fanout.Job(prompt_ids, params, body.priority, body.ttl_ms)
     tokens = await state.tokens() if body.logprobs else None
+    ptokens = await state.tokens() if body.prompt_logprobs is not None else None
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",
                         int(time.time()), await state.served_name())
     try:
@@ -151,4 +157,9 @@ async def chat_completions(request: Request) -> Response:
         choices.append({"index": k, "message": message,
                         "logprobs": logprobs(a.token_ids, a.logprobs), "finish_reason": reason})
     reply = dataclasses.replace(envelope, object="chat.completion")
-    return JSONResponse(reply(choices, usage=fanout.usage(accs)))
+    extra = {}
+    if ptokens is not None:  # vLLM's: the rendered prompt's, once per response
+        plps = next((a.prompt_logprobs for a in accs.values() if a.prompt_logprobs), None)
+        extra["prompt_logprobs"] = None if plps is None else vllm_prompt_logprobs(
+            ptokens, prompt_ids, plps, body.prompt_logprobs or 0)
+    return JSONResponse(reply(choices, usage=fanout.usage(accs), **extra))

@@ -41,6 +41,41 @@ def completion_logprobs(tokens: TokenText, token_ids: list[int], entries: list, 
     return out, offset
 
 
+def prompt_completion_logprobs(tokens: TokenText, token_ids: list[int], entries: list,
+                               top_n: int) -> tuple[dict, int]:
+    """The legacy logprobs object of an echoed prompt (entries: the leader's
+    prompt_logprobs), as vLLM gives it: the first token's logprob and top entry are null."""
+    out, offset = completion_logprobs(tokens, token_ids, entries, top_n, 0)
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out["top_logprobs"][i] = None
+    return out, offset
+
+
+def vllm_prompt_logprobs(tokens: TokenText, token_ids: list[int], entries: list,
+                         top_n: int) -> list:
+    """vLLM's ``prompt_logprobs`` field: per prompt token null (the first) or
+    ``{token id: {logprob, rank, decoded_token}}``. Ranks are known for the top-k (1..k);
+    a prompt token outside them (the map's k+1-th entry) has rank null: the leader sends
+    its logprob, not its rank."""
+    out: list = []
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        items = sorted(_lp_items(entry), key=lambda kv: -kv[1])
+        outside = len(items) > top_n  # the prompt token is not among the top-k
+        ranked = [kv for kv in items if not (outside and kv[0] == tid)]
+        shown = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": tokens(t)[0]}
+                 for r, (t, v) in enumerate(ranked)}
+        if outside:
+            v = dict(items)[tid]
+            shown = {str(tid): {"logprob": v, "rank": None, "decoded_token": tokens(tid)[0]},
+                     **shown}
+        out.append(shown)
+    return out
+
+
 def chat_logprobs(tokens: TokenText, token_ids: list[int], entries: list, top_n: int) -> dict:
     """OpenAI chat logprobs (``{"content": [...]}``) for these tokens."""
     content = []

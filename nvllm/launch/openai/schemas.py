@@ -66,7 +66,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "parallel_tool_calls": (None,),  # any value: without tools it only confuses
     "suffix": (None, ""),
     "best_of": (None,),
-    "echo": (None, False),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -226,6 +225,15 @@ class SamplingBody(_Body):
     # OpenAI's: token id (a decimal string, as JSON keys are) -> a bias in [-100, 100].
     # Checked whole below, so an error names logit_bias, never a key the client sent.
     logit_bias: dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # output constraints: at most one of these (structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SchemaText | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: ConstraintText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: ConstraintText | None = None
+    # vLLM's: score the prompt (top-k per token); the reply's prompt_logprobs. Not streamed.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -243,13 +251,6 @@ class SamplingBody(_Body):
         if len({int(k) for k in v}) < len(v):
             raise ValueError("two keys name the same token id")
         return v
-    # output constraints: at most one of these (structured.py)
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
-    guided_json: SchemaText | None = None  # vLLM's older spellings of structured_outputs
-    guided_regex: ConstraintText | None = None
-    guided_choice: Choices | None = None
-    guided_grammar: ConstraintText | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -264,6 +265,8 @@ class CompletionBody(SamplingBody):
     prompt: (str | TokenIds | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
              | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)])
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Each choice's text (and, with logprobs, its logprobs object) starts with the prompt.
+    echo: bool = False
 
 
 class ContentPart(_Body):
@@ -322,6 +325,7 @@ class ChatBody(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's (echo the last message): only false is supported
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
@@ -482,11 +486,16 @@ def check_body(body: SamplingBody, limit: int | None) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options",
                        code="invalid_value")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM
+        raise ApiError(400, "prompt_logprobs are not available when stream is true",
+                       param="prompt_logprobs", code="invalid_value")
 
 
-def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int) -> dict:
+def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int,
+                  prompt_logprobs: int | None = None) -> dict:
     """The SamplingParams map sent to the leader: only what the request set, so the leader's
-    defaults (and its validation) stay the single source of truth."""
+    defaults (and its validation) stay the single source of truth. `prompt_logprobs`:
+    the top-k to score the prompt with (the body's, or what echo with logprobs needs)."""
     p: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "ignore_eos", "min_tokens", "repetition_penalty",
@@ -502,4 +511,6 @@ def leader_params(body: SamplingBody, logprobs: int | None, max_tokens: int) -> 
         p["logprobs"] = logprobs
     if body.logit_bias:  # {} changes nothing: not sent
         p["logit_bias"] = {int(k): float(v) for k, v in body.logit_bias.items()}
+    if prompt_logprobs is not None:
+        p["prompt_logprobs"] = prompt_logprobs
     return p

@@ -77,7 +77,7 @@ def test_body_is_read_incrementally_and_stops_at_the_limit():
 
 REFUSED = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
            "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": False,
-           "suffix": "end", "best_of": 3, "echo": True, "prediction": {"type": "content"},
+           "suffix": "end", "best_of": 3, "prediction": {"type": "content"},
            "audio": {"voice": "x"}, "modalities": ["text", "audio"], "web_search_options": {},
            "reasoning_effort": "low", "verbosity": "low", "use_beam_search": True,
            "truncate_prompt_tokens": 5}
