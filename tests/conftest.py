@@ -60,12 +60,42 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def _descendants(root: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True,
+                         check=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    seen, stack = {root}, [root]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return seen
+
+
+def ours(names: set[str]) -> set[str]:
+    """The segments this run may have left: those whose owner (``nvllm-tr-PID-...``) is
+    this process, a descendant, or gone; a live process of another run on the machine
+    (a second pytest) owns the rest."""
+    mine = _descendants(os.getpid())
+    keep = set()
+    for n in names:
+        parts = n.split("-")
+        pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+        if pid is None or pid in mine or not pid_alive(pid):
+            keep.add(n)
+    return keep
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
     before = shm_entries()
     yield
     assert worker_pids_of(os.getpid()) == [], "worker processes left after the suite"
-    assert shm_entries() - before == set(), "shared-memory segments left after the suite"
+    assert ours(shm_entries() - before) == set(), "shared-memory segments left after the suite"
 
 
 def cmdline(pid: int) -> str:

@@ -27,7 +27,11 @@ def test_compiles_caches_and_shares_one_compile(service):
     assert b.result(timeout=60) is g and isinstance(g, CompiledGrammar) and g.nbytes > 0
     compiled = service.num_compiled
     assert service.get(so).result() is g and service.num_compiled == compiled  # cached
-    assert json.loads(service.tokenizer_info)  # for rank 0, with the first grammar
+    # For rank 0, with the first grammar: the model's vocabulary (1024, the config's), not
+    # the tokenizer's 1000 entries, so masks cover every logit and ids past the
+    # tokenizer's end are never allowed.
+    info = json.loads(service.tokenizer_info)
+    assert info["vocab_size"] == 1024 and info["stop_token_ids"] == [0]
 
 
 def test_the_whitespace_policy_is_part_of_the_key(tiny):
