@@ -131,12 +131,7 @@ class RequiredCalls:
                 return
             self.in_args = False  # the value ended; c is the element's own
         if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif c == "\\":
-                self.esc = True
-            elif c == '"':
-                self.in_str = False
+            if self._string_ends(c):
                 self._string(d)
                 return
             self.strbuf.append(c)
@@ -183,15 +178,21 @@ class RequiredCalls:
     def _track(self, c: str) -> None:
         """Inside the parameters value: only nesting and strings matter."""
         if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif c == "\\":
-                self.esc = True
-            elif c == '"':
-                self.in_str = False
+            self._string_ends(c)
         elif c == '"':
             self.in_str = True
         elif c in "{[":
             self.depth += 1
         elif c in "}]":
             self.depth -= 1
+
+    def _string_ends(self, c: str) -> bool:
+        """One character inside a JSON string: whether it closes it (escapes tracked)."""
+        if self.esc:
+            self.esc = False
+        elif c == "\\":
+            self.esc = True
+        elif c == '"':
+            self.in_str = False
+            return True
+        return False
