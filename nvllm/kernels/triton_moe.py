@@ -255,8 +255,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     precision, upcast = _dot_precision(x.dtype), _dot_upcast(x.dtype, x.device)
 
     for s in range(0, t, _CHUNK_TOKENS):
-        xs, ids, ws = x[s:s + _CHUNK_TOKENS], topk_ids[s:s + _CHUNK_TOKENS], \
-            weights[s:s + _CHUNK_TOKENS].reshape(-1).contiguous()
+        xs, ids = x[s:s + _CHUNK_TOKENS], topk_ids[s:s + _CHUNK_TOKENS]
+        ws = weights[s:s + _CHUNK_TOKENS].reshape(-1).contiguous()
         n_pairs = ids.numel()
         block_m, block_n, block_k, warps, stages = _config(n_pairs, n_experts, x.dtype,
                                                           x.device)
