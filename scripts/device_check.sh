@@ -38,6 +38,9 @@ run() {  # run NAME TIMEOUT CMD...: log it, keep going, remember failures
 } 2>&1 | tee "$LOG"
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o "addopts=--import-mode=importlib")
 run kernel-tests 150 "${PYTEST[@]}" tests/kernels
+# Triton fused MoE at a per-rank shape (T=256 H=1024 I=512 E=8 K=2): max error vs a float32
+# torch reference (fails past tolerance) and time vs a torch grouped reference; seconds.
+run moe-check 90 python3 scripts/moe_check.py
 run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
 # CUDA IPC transport through the image's CuPy: writer + a subprocess reader (exit 2: no CuPy)
 run transport-cuda 90 python3 -m nvllm.common.transport --selftest-cuda
