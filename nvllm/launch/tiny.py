@@ -105,6 +105,17 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 2048,
         "full_vocab_tokenizer": True,
     },
+    # The expert-parallel vs tensor-parallel-experts benchmark (docs/benchmarks.md): 16
+    # experts top-4 with intermediate 256 per expert in each of 6 layers (50M parameters,
+    # 38M of them experts), qwen3-36m's attention and vocabulary.
+    "qwen3-moe-50m": {
+        "arch": "qwen3_moe", "vocab_size": 16000, "hidden_size": 512, "num_hidden_layers": 6,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "tie_word_embeddings": True, "max_position_embeddings": 2048,
+        "full_vocab_tokenizer": True,
+        "moe": {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+                "norm_topk_prob": True},
+    },
 }
 ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **BENCH_PRESETS}
 
