@@ -48,11 +48,11 @@ def check(model_dir: str, outs) -> None:
         assert (why := hf_ref.greedy_mismatch(model_dir, list(p), got, list(ref))) is None, why
 
 
-def run(model_dir: str, tp: int, ep: bool, stress: bool) -> None:
+def run(model_dir: str, tp: int, ep: bool, stress: bool, **kw) -> None:
     prompts = [{"prompt_token_ids": list(p)} for p in prompts_for(model_dir)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     with LLM(model_dir, device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp,
-             enable_expert_parallel=ep, **(STRESS if stress else PLAIN)) as llm:
+             enable_expert_parallel=ep, **(STRESS if stress else PLAIN), **kw) as llm:
         first = llm.generate(prompts, params, use_tqdm=False)
         if stress:
             hits = llm.engine.kv.stats.hits
@@ -84,9 +84,10 @@ def test_mixtral_exact(tiny, tp, ep, stress):
     run(tiny("mixtral"), tp, ep, stress)
 
 
-def test_qwen3_moe_renormalised_top_k_exact(tiny):
-    """norm_topk_prob=True (Qwen3-30B-A3B's setting) and decoder_sparse_step=2."""
-    run(tiny("qwen3-moe-norm"), 2, True, False)
+def test_qwen3_moe_renormalised_top_k_exact_in_micro_batches(tiny):
+    """norm_topk_prob=True (Qwen3-30B-A3B's setting) and decoder_sparse_step=2, every step
+    cut into two micro-batches whose all-reduces overlap."""
+    run(tiny("qwen3-moe-norm"), 2, True, False, micro_batch_min_tokens=1)
 
 
 def test_near_tie_helper_rejects_a_clear_mismatch(tiny):

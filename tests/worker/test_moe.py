@@ -162,3 +162,34 @@ def test_transposed_fused_layouts_load_the_same(ep):
     assert all(torch.equal(a, b) for a, b in zip(*loaded))
     if ep:  # rank 1 of 2 holds expert 2 whole
         assert torch.equal(loaded[0][0], gate_up[2:]) and torch.equal(loaded[0][1], down[2:])
+
+
+class RecordingSlice:
+    """A safetensors slice stand-in that records which index each read asked for."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.reads = t, []
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.t[index]
+
+
+def test_a_rank_reads_only_its_experts_and_rows():
+    hidden, inter, n = 8, 6, 3
+    gate_up, down = RecordingSlice(torch.randn(n, 2 * inter, hidden)), RecordingSlice(
+        torch.randn(n, hidden, inter))
+    ep = SparseMoE(hidden, n, inter, 2, True, TPContext(1, 2), True, torch.float32, "torch")
+    ep.load_gate_up(ep.experts.gate_up_proj, gate_up, None)
+    ep.load_down(ep.experts.down_proj, down, None)
+    assert all(r[0] == slice(2, 3) for r in gate_up.reads + down.reads)
+    tp = SparseMoE(hidden, n, inter, 2, True, TPContext(1, 2), False, torch.float32, "torch")
+    per_expert = RecordingSlice(torch.randn(inter, hidden))
+    tp.load_gate_up(tp.experts.gate_up_proj, per_expert, (0, 1))
+    assert per_expert.reads == [(slice(3, 6), slice(None))]
+    skipped = RecordingSlice(torch.randn(inter, hidden))
+    ep.load_gate_up(ep.experts.gate_up_proj, skipped, (0, 0))  # expert 0 is rank 0's
+    assert skipped.reads == []
