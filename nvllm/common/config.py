@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,6 +41,8 @@ class ModelInfo:
     eos_token_ids: list[int]
     torch_dtype: str
     sliding_window: int | None = None
+    num_experts: int = 0  # MoE models: routed experts per MoE layer (0: dense)
+    expert_intermediate_size: int = 0  # MoE models: each expert's intermediate size
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike) -> ModelInfo:
@@ -80,6 +84,9 @@ class ModelInfo:
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             sliding_window=window,
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+            expert_intermediate_size=int(cfg.get("moe_intermediate_size")
+                                         or cfg.get("intermediate_size") or 0),
         )
 
 
@@ -142,6 +149,10 @@ class EngineConfig:
     async_scheduling: bool = _setting(
         True, "Send step N+1's plan before applying step N's result, so the leader's work "
               "overlaps the workers' (outputs are identical either way).")
+    enable_expert_parallel: bool = _setting(
+        False, "MoE models: each rank holds whole experts (contiguous ranges, uneven when "
+               "tensor_parallel_size does not divide their number) instead of a 1/tp slice "
+               "of every expert; attention stays tensor-parallel. Ignored by dense models.")
     micro_batch_overlap: bool = _setting(
         True, "Tensor parallel: cut big steps into two micro-batches so one's all-reduce runs "
               "while the other computes.")
@@ -240,6 +251,11 @@ class EngineConfig:
                 f"num_key_value_heads={kv} and tensor_parallel_size={tp}: one must divide "
                 "the other"
             )
+        inter = info.expert_intermediate_size
+        if info.num_experts and not self.enable_expert_parallel and inter % tp:
+            raise ValueError(
+                f"the experts' intermediate size {inter} is not divisible by "
+                f"tensor_parallel_size={tp}: use enable_expert_parallel")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: automatic), got {self.cpu_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

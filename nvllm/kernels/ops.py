@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from nvllm.kernels import cpu_attention, cpu_ops, reference
+from nvllm.kernels import cpu_attention, cpu_ops, moe, reference
 from nvllm.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -129,3 +129,10 @@ def silu_and_mul(x, backend: str = "torch") -> torch.Tensor:
     if backend == "triton":
         return _triton_layer_ops().silu_and_mul(x)
     return reference.silu_and_mul(x)
+
+
+def fused_moe(x, w13, w2, topk_ids, topk_weights, expert_start: int,
+              backend: str = "torch") -> torch.Tensor:
+    """The MoE feed-forward (see kernels/moe.py); the torch path on every backend for now,
+    a Triton kernel of the same signature is to take the "triton" one."""
+    return moe.fused_moe(x, w13, w2, topk_ids, topk_weights, expert_start)

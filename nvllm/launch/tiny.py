@@ -76,6 +76,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-sharded": {"arch": "qwen3", "head_dim": 32, "shard_size": "100KB"},
     # qwen3's weights with Qwen's tool-calling tokens (<tool_call> ...) and chat template.
     "qwen3-tools": {"arch": "qwen3", "head_dim": 32, "tool_tokenizer": True},
+    # Mixture of experts. 5 experts: uneven over 2 ranks with expert parallelism (3 + 2);
+    # layer 1 dense (mlp_only_layers) with intermediate_size, the MoE layers with
+    # moe_intermediate_size; one KV head, replicated at tp=2. norm_topk_prob is HF's
+    # default (False) here; the Qwen3-30B-A3B setting (True) has a preset of its own.
+    "qwen3-moe": {
+        "arch": "qwen3_moe", "head_dim": 32, "num_hidden_layers": 3, "num_key_value_heads": 1,
+        "moe": {"num_experts": 5, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+                "norm_topk_prob": False, "mlp_only_layers": [1]},
+    },
+    "qwen3-moe-norm": {
+        "arch": "qwen3_moe", "head_dim": 32, "num_hidden_layers": 2,
+        "moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                "norm_topk_prob": True, "decoder_sparse_step": 2},
+    },
+    # Mixtral: 4 experts, top-2 (always renormalised), every layer MoE.
+    "mixtral": {"arch": "mixtral", "moe": {"num_local_experts": 4, "num_experts_per_tok": 2}},
 }
 
 # Benchmark checkpoints: too big to build inside tests (seconds, tens of MB), same
@@ -89,10 +105,21 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 2048,
         "full_vocab_tokenizer": True,
     },
+    # The expert-parallel vs tensor-parallel-experts benchmark (docs/benchmarks.md): 16
+    # experts top-4 with intermediate 256 per expert in each of 6 layers (50M parameters,
+    # 38M of them experts), qwen3-36m's attention and vocabulary.
+    "qwen3-moe-50m": {
+        "arch": "qwen3_moe", "vocab_size": 16000, "hidden_size": 512, "num_hidden_layers": 6,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "tie_word_embeddings": True, "max_position_embeddings": 2048,
+        "full_vocab_tokenizer": True,
+        "moe": {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+                "norm_topk_prob": True},
+    },
 }
 ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **BENCH_PRESETS}
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --------------------------------------------------------------------------------------------
@@ -101,13 +128,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _config_class(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     return {
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "mixtral": MixtralConfig,
     }[arch]
 
 
@@ -127,6 +163,7 @@ _EMBED_STD = 1.0  # embed_tokens and lm_head
 _BIAS_STD = 0.2  # q/k/v biases (qwen2)
 _QK_GAIN = 2.0  # on q_proj / k_proj, or on Qwen3's q_norm / k_norm: sharper attention
 _RESIDUAL_GAIN = 10.0  # on o_proj / down_proj, the writes into the residual stream
+_ROUTER_GAIN = 4.0  # on MoE routers (mlp.gate): decisive routing, see _init_weights
 
 
 @torch.no_grad()
@@ -153,6 +190,10 @@ def _init_weights(model: torch.nn.Module, arch: str, seed: int) -> None:
       engine that ignores them pass.  Norm weights are U(0.5, 1.5) and biases
       N(0, _BIAS_STD); the bias is kept small because a large v bias adds the same vector at
       every position and pulls all outputs into short cycles.
+    * Near-tie routing.  With gain 1 a router's logits have std ~1 and the k-th and
+      (k+1)-th experts are often close, so kernel noise could flip an expert choice; with
+      _ROUTER_GAIN the softmax is sharp and choices are clear. Experts (3-D, [E, out, in])
+      get the same rule as the 2-D matrices, per expert.
     """
     for name, param in model.named_parameters():
         g = _param_generator(seed, arch, name)
@@ -166,6 +207,12 @@ def _init_weights(model: torch.nn.Module, arch: str, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=g) * _BIAS_STD)
         elif "embed_tokens" in name or "lm_head" in name:
             param.copy_(torch.randn(param.shape, generator=g) * _EMBED_STD)
+        elif name.endswith("mlp.gate.weight"):
+            param.copy_(torch.randn(param.shape, generator=g)
+                        * (_ROUTER_GAIN / math.sqrt(param.shape[1])))
+        elif param.ndim == 3 and "experts" in name:
+            gain = _RESIDUAL_GAIN if "down_proj" in name else 1.0
+            param.copy_(torch.randn(param.shape, generator=g) * (gain / math.sqrt(param.shape[2])))
         elif param.ndim == 2:
             if is_qk:
                 gain = _QK_GAIN
@@ -214,6 +261,8 @@ def make_tiny_checkpoint(
     shard_size: str | None = None,
     full_vocab_tokenizer: bool = False,
     tool_tokenizer: bool = False,
+    moe: dict[str, Any] | None = None,
+    fused_experts: bool = False,
 ) -> pathlib.Path:
     """Write a random HF checkpoint plus tokenizer to ``path`` and return it.
 
@@ -221,6 +270,10 @@ def make_tiny_checkpoint(
     created if needed; existing files with the same names are overwritten.
     full_vocab_tokenizer: the tokenizer names every model id (see build_tokenizer).
     tool_tokenizer: Qwen's tool-calling tokens and chat template (see build_tokenizer).
+    moe: the MoE config fields of qwen3_moe / mixtral (num_experts, num_experts_per_tok, ...).
+    fused_experts: write the experts as transformers 5 holds them (``experts.gate_up_proj``
+    [E, 2I, H], ``experts.down_proj`` [E, H, I]) instead of save_pretrained's per-expert
+    tensors; the values are the same.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -250,13 +303,14 @@ def make_tiny_checkpoint(
         pad_token_id=eos_id,
         rms_norm_eps=1e-6,
         **_rope_kwargs(rope_scaling),
+        **(moe or {}),
     )
-    if arch == "qwen3" and head_dim is None:
+    if arch in ("qwen3", "qwen3_moe") and head_dim is None:
         # Qwen3Config defaults head_dim to 128 rather than hidden // heads.
         head_dim = hidden_size // num_attention_heads
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         # No sliding window (as in Mistral v0.2+); the window would be > max positions anyway.
         kwargs["sliding_window"] = None
     config = _config_class(arch)(**kwargs)
@@ -282,10 +336,25 @@ def make_tiny_checkpoint(
         save_kwargs["max_shard_size"] = shard_size
     with _quiet_transformers():
         model.save_pretrained(path, **save_kwargs)
+        if fused_experts:
+            _write_fused(model, path, shard_size)
         # save_jinja_files=False keeps the chat template inside tokenizer_config.json, which
         # is where our engine (and older transformers) look for it.
         tokenizer.save_pretrained(path, save_jinja_files=False)
     return path
+
+
+def _write_fused(model: torch.nn.Module, path: pathlib.Path, shard_size: str | None) -> None:
+    """Replace save_pretrained's weights with the model's own state dict (fused experts)."""
+    from safetensors.torch import save_file
+
+    if shard_size is not None:
+        raise ValueError("fused_experts writes one model.safetensors: no shard_size")
+    state = {n: t.contiguous() for n, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    assert any(n.endswith("experts.gate_up_proj") for n in state), "no fused experts"
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from nvllm.kernels.ops import resolve_backend, uses_cpu_attention
 from nvllm.worker.cuda_graph import CUDAGraphRunner
 from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
-from nvllm.worker.models.llama import MODEL_REGISTRY
+from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.sampler import Sampler, SampleRequest
 from nvllm.worker.structured_output import StructuredOutputState
@@ -67,7 +67,8 @@ class ModelRunner:
         self.backend = resolve_backend(config.attention_backend, device)
         with torch.device(device):
             self.model = MODEL_REGISTRY[arch](hf_config, tp, self.dtype,
-                                              max(config.max_model_len, 1), self.backend)
+                                              max(config.max_model_len, 1), self.backend,
+                                              expert_parallel=config.enable_expert_parallel)
         load_weights(self.model, config.model, show_progress=tp.rank == 0)
         self.model.eval()
         if device.type == "cpu" and config.cpu_onednn_linear:
@@ -82,6 +83,7 @@ class ModelRunner:
         # Decode steps from CUDA graphs: the Triton kernels size their grids from shapes
         # only (the torch backend loops over host-side lengths, which a graph would freeze).
         self.use_cuda_graphs = (device.type == "cuda" and self.backend == "triton"
+                                and self.model.graph_safe
                                 and not config.enforce_eager)
         self.graph_batch_size = min(config.max_num_seqs, MAX_GRAPH_BATCH)
         self.graphs: CUDAGraphRunner | None = None

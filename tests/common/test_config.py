@@ -84,3 +84,19 @@ def test_sliding_window_caps_max_model_len(qwen3):
 def test_small_token_budget_caps_max_num_seqs(qwen3):
     c = EngineConfig(str(qwen3), device="cpu", max_num_batched_tokens=8).finalize()
     assert c.max_num_seqs == 8
+
+
+def test_moe_facts_and_expert_split_needs_divisibility_or_expert_parallel(tiny, tmp_path):
+    """transformers 5 writes Qwen3-MoE's expert count as num_local_experts; tensor-parallel
+    experts need tp to divide their intermediate size, expert parallelism does not."""
+    dst = tmp_path / "moe"
+    shutil.copytree(tiny("qwen3-moe"), dst)
+    info = EngineConfig(str(dst), device="cpu").finalize().model_info
+    assert (info.architecture, info.num_experts, info.expert_intermediate_size) == (
+        "Qwen3MoeForCausalLM", 5, 48)
+    edit_config(dst, moe_intermediate_size=50)
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        EngineConfig(str(dst), device="cpu", tensor_parallel_size=4).finalize()
+    EngineConfig(str(dst), device="cpu", tensor_parallel_size=4,
+                 enable_expert_parallel=True).finalize()
+    assert EngineConfig(str(tiny("qwen3")), device="cpu").finalize().model_info.num_experts == 0

@@ -57,3 +57,28 @@ def logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tens
     model = hf_model(model_dir)
     logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+# A mismatch is a near-tie when HF's float32 logits of the two tokens differ by less than
+# this share of the row's largest |logit|: summation-order noise (tensor-parallel partial
+# sums, grouped experts) can flip such a choice, and nothing after it compares.
+NEAR_TIE = 1e-4
+
+
+@torch.no_grad()
+def greedy_mismatch(model_dir: str, prompt: list[int], got: list[int], ref: list[int]
+                    ) -> str | None:
+    """None when `got` (engine greedy) equals `ref` (HF greedy), or agrees with it up to a
+    near-tie at the first differing position (the rest is not compared); else why not."""
+    for j, (g, r) in enumerate(zip(got, ref)):
+        if g != r:
+            row = hf_model(model_dir)(torch.tensor([prompt + ref[:j]])).logits[0, -1].float()
+            gap = float((row[g] - row[r]).abs())
+            limit = NEAR_TIE * float(row.abs().max())
+            if gap < limit:
+                return None
+            return (f"token {j}: engine {g}, HF {r}; logit gap {gap:.3g} >= near-tie "
+                    f"{limit:.3g} (engine {got}, HF {ref})")
+    if len(got) != len(ref):
+        return f"lengths differ: engine {got}, HF {ref}"
+    return None

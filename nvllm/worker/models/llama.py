@@ -80,13 +80,20 @@ class DecoderMLP(nn.Module):
         """The MLP up to down_proj's partial sum (all-reduce, then down_proj.finish)."""
         return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
 
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.finish(y)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, tp, dtype, rotary, backend, qkv_bias, o_bias, qk_norm) -> None:
+    """Attention, then a feed-forward with `partial` and `finish`: the dense DecoderMLP or
+    a mixture of experts (worker/layers/moe.py), each one all-reduce."""
+
+    def __init__(self, cfg, tp, dtype, rotary, backend, qkv_bias, o_bias, qk_norm,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, tp, dtype, rotary, backend, qkv_bias, o_bias,
                                           qk_norm)
-        self.mlp = DecoderMLP(cfg, tp, dtype, backend)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 backend)
@@ -99,7 +106,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn.o_proj.finish((yield self.self_attn.partial(positions, x, meta)))
         x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp.down_proj.finish((yield self.mlp.partial(x)))
+        x = self.mlp.finish((yield self.mlp.partial(x)))
         return x, residual
 
 
@@ -113,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False
+    # Decode steps may be captured in CUDA graphs (no host syncs, shapes fixed by the batch).
+    graph_safe = True
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -121,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
         return b, b
 
     def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, max_position: int,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", expert_parallel: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.expert_parallel = expert_parallel  # MoE models: whole experts per rank
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = compute_inv_freq(cfg, head_dim)
@@ -132,11 +142,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, dtype, rotary, attention_backend, qkv_bias, o_bias,
-                         self.qk_norm)
-            for _ in range(cfg.num_hidden_layers))
+                         self.qk_norm, self.make_mlp(cfg, i, tp, dtype, attention_backend))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, attention_backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+
+    def make_mlp(self, cfg, layer: int, tp: TPContext, dtype: torch.dtype,
+                 backend: str) -> nn.Module:
+        """Layer `layer`'s feed-forward (MoE models override this)."""
+        return DecoderMLP(cfg, tp, dtype, backend)
 
     def stages(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> Stages:
@@ -189,10 +204,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
-
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
