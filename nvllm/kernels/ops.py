@@ -133,6 +133,11 @@ def silu_and_mul(x, backend: str = "torch") -> torch.Tensor:
 
 def fused_moe(x, w13, w2, topk_ids, topk_weights, expert_start: int,
               backend: str = "torch") -> torch.Tensor:
-    """The MoE feed-forward (see kernels/moe.py); the torch path on every backend for now,
-    a Triton kernel of the same signature is to take the "triton" one."""
+    """The MoE feed-forward: on the triton backend the fused grouped-GEMM kernel
+    (``triton_moe.py``), elsewhere the torch path that groups tokens by expert
+    (``moe.py``); both take the same arguments and sum in float32."""
+    if backend == "triton":
+        from nvllm.kernels import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_ids, topk_weights, expert_start)
     return moe.fused_moe(x, w13, w2, topk_ids, topk_weights, expert_start)

@@ -137,3 +137,17 @@ def test_align_layout():
     assert sorted_ids[:8].tolist() == [1, 2, 5, n, 0, 4, n, n]
     assert block_expert[:2].tolist() == [0, 2]
     assert (sorted_ids[8:] == n).all()
+
+
+def test_the_triton_backend_dispatches_here_and_agrees_with_the_torch_path():
+    """ops.fused_moe: the triton backend runs this kernel, the others the grouped torch
+    path (kernels/moe.py); both fulfil one contract."""
+    from nvllm.kernels import ops
+
+    case = make_case(9, 40, 24, 5, 3, torch.float32, seed=21, n_global=7, expert_start=2)
+    ref = reference_moe(*case)
+    got = ops.fused_moe(*case, backend="triton")
+    assert torch.allclose(got.float().cpu(), ref, atol=1e-4)
+    torch_path = ops.fused_moe(*[a.cpu() if torch.is_tensor(a) else a for a in case],
+                               backend="torch")
+    assert torch.allclose(torch_path.float(), ref, atol=1e-4)
