@@ -19,8 +19,8 @@ WINDOW, MAX_TOKENS, BLOCK, BUDGET = 32, 200, 8, 16
 PROMPTS = [list(range(5, 55)), [7, 8, 9]]  # a prompt longer than the window, and a short one
 
 
-@pytest.mark.parametrize("preset", ["mistral-sw", "qwen2-sw"])
-def test_windowed_models_equal_hf(tiny, preset, tp=1):
+@pytest.mark.parametrize("preset,tp", [("mistral-sw", 1), ("qwen2-sw", 1), ("mistral-sw", 2)])
+def test_windowed_models_equal_hf(tiny, preset, tp):
     model = tiny(preset)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
     llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, tensor_parallel_size=tp,
