@@ -40,9 +40,18 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: list[int]
     torch_dtype: str
-    sliding_window: int | None = None
     num_experts: int = 0  # MoE models: routed experts per MoE layer (0: dense)
     expert_intermediate_size: int = 0  # MoE models: each expert's intermediate size
+    # Each layer's sliding window (None: full attention), as HF applies it.
+    layer_windows: list[int | None] = field(default_factory=list)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window outside of which no layer reads a key: the largest one when every
+        layer slides, else None (a full-attention layer reads every key). Blocks behind it
+        can go back to the pool (nvllm/leader/kv_cache_manager.py)."""
+        w = self.layer_windows
+        return max(w) if w and all(w) else None  # type: ignore[type-var]
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike) -> ModelInfo:
@@ -69,9 +78,6 @@ class ModelInfo:
         if eos is None:
             eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        window = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") is False:  # Qwen2 carries a window it does not use
-            window = None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -83,11 +89,33 @@ class ModelInfo:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            sliding_window=window,
             num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
             expert_intermediate_size=int(cfg.get("moe_intermediate_size")
                                          or cfg.get("intermediate_size") or 0),
+            layer_windows=layer_windows(arch, cfg),
         )
+
+
+def layer_windows(arch: str, cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) from an HF config.json, as
+    transformers 5 applies it: Llama never slides; Mistral and Mixtral slide every layer
+    by ``sliding_window`` (they ignore ``layer_types``), Qwen3-MoE too but only with
+    ``use_sliding_window``; Qwen2/Qwen3 only with
+    ``use_sliding_window`` (default False), on the layers ``layer_types`` calls
+    "sliding_attention", which default to those from ``max_window_layers`` (default 28)
+    on."""
+    n = cfg["num_hidden_layers"]
+    w = cfg.get("sliding_window")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return [w] * n
+    if arch == "Qwen3MoeForCausalLM":  # every layer, with use_sliding_window
+        return [w if cfg.get("use_sliding_window") else None] * n
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not cfg.get("use_sliding_window"):
+        return [None] * n
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if w is not None and i >= cfg.get("max_window_layers", 28)
+        else "full_attention" for i in range(n)]
+    return [w if t == "sliding_attention" else None for t in types]
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -121,7 +149,7 @@ class EngineConfig:
     max_num_seqs: int = _setting(256, "Most sequences running in one step.")
     max_num_batched_tokens: int = _setting(2048, "Most tokens (prefill + decode) in one step.")
     max_model_len: int | None = _setting(
-        None, "Longest prompt + output (default: the model's, capped by its sliding window).")
+        None, "Longest prompt + output (default: the model's max_position_embeddings).")
     num_kv_blocks: int | None = _setting(
         None, "Override the KV capacity computed from memory.")
     gpu_memory_utilization: float = _setting(
@@ -262,13 +290,6 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is None:
             self.max_model_len = info.max_position_embeddings
-            if info.sliding_window:
-                self.max_model_len = min(self.max_model_len, info.sliding_window)
-        if info.sliding_window and self.max_model_len > info.sliding_window:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's sliding_window "
-                f"{info.sliding_window}; sliding-window attention is not supported, so use "
-                f"max_model_len <= {info.sliding_window}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:

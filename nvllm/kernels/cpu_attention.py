@@ -69,6 +69,9 @@ class StepViews:
     values: list[tuple[torch.Tensor, ...] | None]
     with_copy: list[int]
     decode: DecodeRows | None = None
+    # Each sequence's copy starts at this position (> 0 only with a window: the store
+    # keeps the window's tail); keys[i][l] holds positions firsts[i]..ctx - 1.
+    firsts: list[int] | None = None
 
 
 class CpuKVStore:
@@ -78,10 +81,16 @@ class CpuKVStore:
     mid-sequence (after a prefix hit, or recomputation after preemption) is built from the
     paged cache. When growing would overrun the budget the sequence loses its copy
     entirely, so it stays on one path (the pages) rather than splitting across two.
+
+    With a ``window`` (every layer sliding; None otherwise) a copy holds only the tail
+    the next queries can see: when full it shifts its last window - 1 tokens to the front
+    instead of growing, so it stays within window + the step's tokens + a window of
+    slack, and it is built from the pages of that tail only (the leader may have given
+    the older blocks back).
     """
 
     def __init__(self, kv_cache: torch.Tensor, budget_bytes: int, max_model_len: int,
-                 native_decode: bool = True) -> None:
+                 native_decode: bool = True, window: int | None = None) -> None:
         """kv_cache: the paged cache, ``[2, layers, num_blocks, block_size, kv_heads, d]``.
         native_decode: send decoding sequences to the native kernel where it loads and
         supports the shapes (float32 or bfloat16, <= 16 query heads per KV head,
@@ -89,8 +98,10 @@ class CpuKVStore:
         self.kv_cache = kv_cache
         self.budget_bytes = budget_bytes
         self.max_model_len = max_model_len
+        self.window = window
         self.nbytes = 0
         self.copies: dict[int, torch.Tensor] = {}
+        self.offsets: dict[int, int] = {}  # position of each copy's first token
         self.native_decode = (native_decode
                               and kv_cache.dtype in (torch.float32, torch.bfloat16)
                               and kv_cache.shape[-1] <= 256 and cpu_ops.load())
@@ -98,6 +109,7 @@ class CpuKVStore:
     def drop(self, seq_id: int) -> None:
         """Free a sequence's copy (it finished, was preempted, or lost its place)."""
         kv = self.copies.pop(seq_id, None)
+        self.offsets.pop(seq_id, None)
         if kv is not None:
             self.nbytes -= kv.nbytes
 
@@ -109,39 +121,57 @@ class CpuKVStore:
         keys: list[tuple[torch.Tensor, ...] | None] = []
         values: list[tuple[torch.Tensor, ...] | None] = []
         with_copy: list[int] = []
+        firsts: list[int] = []
         dec: list[list[int]] = [[], [], [], [], []]  # seqs, rows, bases, caps, lens
         row = 0
         for i, (sid, table, n, ctx) in enumerate(zip(seq_ids, block_tables, query_lens,
                                                      context_lens)):
             buf = self._copy_for(sid, table, ctx - n, ctx)
+            off = self.offsets.get(sid, 0) if buf is not None else 0
+            firsts.append(off)
             if buf is None or (n == 1 and self.native_decode):
-                if buf is not None:
-                    for col, x in zip(dec, (i, row, buf.data_ptr(), buf.shape[3], ctx)):
+                if buf is not None:  # the kernel sees the copy's positions: ctx - off
+                    for col, x in zip(dec, (i, row, buf.data_ptr(), buf.shape[3],
+                                            ctx - off)):
                         col.append(x)
                 dst.append(None)
                 keys.append(None)
                 values.append(None)
             else:
                 with_copy.append(i)
-                dst.append(buf[:, :, :, ctx - n:ctx].unbind(0))
-                keys.append(buf[:, 0:1, :, :ctx].unbind(0))
-                values.append(buf[:, 1:2, :, :ctx].unbind(0))
+                dst.append(buf[:, :, :, ctx - n - off:ctx - off].unbind(0))
+                keys.append(buf[:, 0:1, :, :ctx - off].unbind(0))
+                values.append(buf[:, 1:2, :, :ctx - off].unbind(0))
             row += n
         decode = None
         if dec[0]:
             rows, bases, caps, lens = (torch.tensor(c, dtype=torch.long) for c in dec[1:])
             decode = DecodeRows(dec[0], rows, bases, caps, lens)
-        return StepViews(dst, keys, values, with_copy, decode)
+        return StepViews(dst, keys, values, with_copy, decode, firsts)
 
     def _copy_for(self, seq_id: int, block_table: list[int], done: int,
                   end: int) -> torch.Tensor | None:
-        """The sequence's copy with room for `end` tokens, its first `done` filled; None
-        (read the pages) when the budget is spent."""
+        """The sequence's copy with room for its tokens up to `end`, those before `done`
+        filled (from self.offsets[seq_id] on); None (read the pages) when the budget is
+        spent."""
         kv = self.copies.get(seq_id)
-        if kv is not None and kv.shape[3] >= end:
+        off = self.offsets.get(seq_id, 0)
+        if kv is not None and kv.shape[3] >= end - off:
             return kv
-        cap = max(MIN_CAPACITY, end, 2 * kv.shape[3] if kv is not None else 0)
-        cap = min(cap, max(end, self.max_model_len))
+        w = self.window
+        # With a window, keep only what the step's first query sees.
+        start = max(off, done - w + 1) if w else 0
+        if kv is not None and w and kv.shape[3] >= end - start:
+            # Full: shift the tail to the front (clone: the ranges may overlap).
+            kv[:, :, :, :done - start] = kv[:, :, :, start - off:done - off].clone()
+            self.offsets[seq_id] = start
+            return kv
+        need = end - start
+        if w:
+            cap = max(MIN_CAPACITY, need + w)
+        else:
+            cap = max(MIN_CAPACITY, end, 2 * kv.shape[3] if kv is not None else 0)
+        cap = min(cap, max(need, self.max_model_len - start))
         _, layers, _, bs, kvh, d = self.kv_cache.shape
         size = 2 * layers * cap * kvh * d * self.kv_cache.dtype.itemsize
         grow = size - (0 if kv is None else kv.nbytes)
@@ -152,24 +182,27 @@ class CpuKVStore:
         new = torch.empty(layers, 2, kvh, cap, d, dtype=self.kv_cache.dtype,
                           device=self.kv_cache.device)
         if kv is not None:
-            new[:, :, :, :done] = kv[:, :, :, :done]
-        elif done:
-            blocks = torch.tensor(block_table[:cdiv(done, bs)], device=new.device)
-            pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)[:, :, :done]
-            new[:, :, :, :done] = pages.permute(1, 0, 3, 2, 4)
+            new[:, :, :, :done - start] = kv[:, :, :, start - off:done - off]
+        elif done > start:  # from the pages of positions start..done - 1 only
+            blocks = torch.tensor(block_table[start // bs:cdiv(done, bs)], device=new.device)
+            pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)
+            a = start % bs
+            new[:, :, :, :done - start] = pages[:, :, a:a + done - start].permute(1, 0, 3, 2, 4)
         logger.debug("contiguous K/V: %s to %d tokens (%d computed)",
                      "grown" if kv is not None else ("built" if done else "new"), cap, done)
         self.nbytes += grow
         self.copies[seq_id] = new
+        self.offsets[seq_id] = start
         return new
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-              layer: int) -> torch.Tensor:
+              layer: int, window: int | None = None) -> torch.Tensor:
     """One layer's attention step over meta.cpu_kv: store this step's K/V
     ([T, kv_heads, d]) in the paged cache and append them to the copies at `layer`, then
-    attend, reading each sequence's copy in place (or its pages, if it has none)."""
+    attend (within `window`, None: full), reading each sequence's copy in place (or its
+    pages, if it has none)."""
     views = meta.cpu_kv
     dec = views.decode
     # Decoding rows only (one token each): the kernel stores every row itself.
@@ -183,27 +216,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         src = torch.stack((k, v), 1).permute(1, 2, 0, 3).split(lens, dim=2)
         torch._foreach_copy_([views.dst[i][layer] for i in views.with_copy],
                              [src[i] for i in views.with_copy])
-    keys, values = views.keys, views.values
+    keys, values, firsts = views.keys, views.values, views.firsts
 
-    def kv_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_of(i: int, first: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         if keys[i] is not None:
-            return keys[i][layer], values[i][layer]
-        return reference.gather_kv(k_cache, v_cache, meta, i)
+            return keys[i][layer], values[i][layer], firsts[i]
+        first -= first % k_cache.shape[1]
+        return (*reference.gather_kv(k_cache, v_cache, meta, i, first), first)
 
     if dec is None:
-        return reference.attend_runs(q, meta, scale, kv_of, lens)
+        return reference.attend_runs(q, meta, scale, kv_of, lens, window)
     out = torch.empty_like(q)
     if dec.slots is None:
         dec.slots = meta.slot_mapping if all_rows else meta.slot_mapping[dec.rows]
     cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, dec.slots, dec.rows, dec.bases,
-                             dec.caps, dec.lens, layer, scale)
+                             dec.caps, dec.lens, layer, scale, window or 0)
     if len(dec.seqs) < meta.num_seqs:
         native = set(dec.seqs)
         for i in range(meta.num_seqs):
             if i not in native and lens[i]:
                 a, b = cu[i], cu[i + 1]
-                ki, vi = kv_of(i)
+                ctx = meta.seq_lens_host[i]
+                ki, vi, first = reference.visible_kv(kv_of, i, ctx, b - a, window)
                 o = reference.attend_run(q[a:b].transpose(0, 1).unsqueeze(0), ki, vi,
-                                         meta.seq_lens_host[i], scale)
+                                         ctx, scale, window, first)
                 out[a:b] = o[0].transpose(0, 1)
     return out

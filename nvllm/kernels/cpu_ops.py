@@ -99,10 +99,12 @@ def load() -> bool:
 def decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, rows: torch.Tensor, bases: torch.Tensor,
-                     caps: torch.Tensor, lens: torch.Tensor, layer: int, scale: float) -> None:
-    """See csrc/cpu_decode_attention.cpp; only after load() returned True."""
+                     caps: torch.Tensor, lens: torch.Tensor, layer: int, scale: float,
+                     window: int = 0) -> None:
+    """See csrc/cpu_decode_attention.cpp (window > 0: only the last `window` keys of each
+    sequence are visible); only after load() returned True."""
     torch.ops.nvllm_cpu.decode_attention(out, q, k_new, v_new, k_cache, v_cache, slots, rows,
-                                         bases, caps, lens, layer, scale)
+                                         bases, caps, lens, layer, scale, window)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -77,13 +77,15 @@ def uses_cpu_attention(backend: str, device: torch.device, cpu_kv_mirror: bool) 
 
 
 def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-              backend: str = "torch", layer: int = 0) -> torch.Tensor:
+              backend: str = "torch", layer: int = 0,
+              window: int | None = None) -> torch.Tensor:
     """One layer's attention step: store this step's K/V ([T, kv_heads, d]) in the paged
-    cache, then attend. layer indexes the CPU backend's copies (which hold every layer)."""
+    cache, then attend (query i sees key j iff j <= i and i - j < window; None: full).
+    layer indexes the CPU backend's copies (which hold every layer)."""
     if meta.cpu_kv is not None and backend in ("torch", "cpu"):
-        return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, scale, layer)
+        return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, scale, layer, window)
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, backend)
-    return paged_attention(q, k_cache, v_cache, meta, scale, backend)
+    return paged_attention(q, k_cache, v_cache, meta, scale, backend, window)
 
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
@@ -93,10 +95,10 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") 
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                    backend: str = "torch") -> torch.Tensor:
+                    backend: str = "torch", window: int | None = None) -> torch.Tensor:
     if backend == "triton":
-        return _triton_attention().paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return _triton_attention().paged_attention(q, k_cache, v_cache, meta, scale, window)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def rms_norm(x, weight, eps: float, backend: str = "torch") -> torch.Tensor:

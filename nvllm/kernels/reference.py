@@ -30,33 +30,50 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention of each query run over its sequence's cached context.
 
     q: [T, heads, d]; query token j of a run of n tokens for a sequence whose context
     is L tokens sits at position L - n + j and sees keys 0..L - n + j. GQA: query head h
-    reads KV head h // (heads // kv_heads).
+    reads KV head h // (heads // kv_heads). With a sliding ``window`` (None: full), the
+    query at position i sees only keys j with i - j < window (HF's mask), and blocks
+    wholly before the run's first visible key are never read: the leader may have given
+    them back (nvllm/leader/kv_cache_manager.py).
     """
-    return attend_runs(q, meta, scale, lambda i: gather_kv(k_cache, v_cache, meta, i))
+    def kv_of(i: int, first: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        first -= first % k_cache.shape[1]  # whole blocks
+        return (*gather_kv(k_cache, v_cache, meta, i, first), first)
+
+    return attend_runs(q, meta, scale, kv_of, window=window)
+
+
+def window_start(ctx: int, n: int, window: int | None) -> int:
+    """The first key position any of a run's n queries (the last n of ctx positions)
+    sees; 0 without a window."""
+    return max(0, ctx - n - window + 1) if window else 0
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-              i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence i's context K and V gathered from its blocks, each [1, kv_heads, ctx, d]."""
+              i: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence i's context K and V from position `first` (a multiple of the block size)
+    on, gathered from its blocks, each [1, kv_heads, ctx - first, d]."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     ctx = meta.seq_lens_host[i]
-    blocks = meta.block_tables[i, :cdiv(ctx, block_size)].long()
-    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+    blocks = meta.block_tables[i, first // block_size:cdiv(ctx, block_size)].long()
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx - first]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx - first]
     return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
 def attend_runs(q: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                lens: list[int] | None = None) -> torch.Tensor:
-    """SDPA of each sequence's query run over the K/V that kv_of(i) returns
-    ([1, kv_heads, ctx, d] each). Shared with the CPU backend, which only changes where
-    the K/V are read from, so both compute the same values bit for bit."""
+                kv_of: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, int]],
+                lens: list[int] | None = None, window: int | None = None) -> torch.Tensor:
+    """SDPA of each sequence's query run over the K/V that kv_of(i, first) returns
+    ([1, kv_heads, ctx - f, d] each, and f <= first: the position of their first key;
+    first is the run's window_start). Shared with the CPU
+    backend, which only changes where the K/V are read from, so both compute the same
+    values bit for bit."""
     cu = meta.cu_seqlens_q_host
     if lens is None:
         lens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
@@ -66,29 +83,47 @@ def attend_runs(q: torch.Tensor, meta: AttentionMetadata, scale: float,
     for i, ctx in enumerate(meta.seq_lens_host):
         if lens[i] == 0:
             continue
-        ki, vi = kv_of(i)
-        outs.append(attend_run(qs[i], ki, vi, ctx, scale))
+        ki, vi, first = visible_kv(kv_of, i, ctx, lens[i], window)
+        outs.append(attend_run(qs[i], ki, vi, ctx, scale, window, first))
     if not outs:
         return torch.empty_like(q)
     return torch.cat(outs, dim=2)[0].transpose(0, 1)  # [T, H, d]
 
 
+def visible_kv(kv_of: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, int]], i: int,
+               ctx: int, n: int, window: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sequence i's K/V from its run's first visible key on (and that key's position):
+    exactly those, wherever kv_of reads them from, so every path computes the same bits."""
+    first = window_start(ctx, n, window)
+    ki, vi, f = kv_of(i, first)
+    if first > f:
+        ki, vi = ki[:, :, first - f:], vi[:, :, first - f:]
+    return ki, vi, first
+
+
 def attend_run(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, ctx: int,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None, first: int = 0) -> torch.Tensor:
     """SDPA of one sequence's n queries ([1, H, n, d], the last n of its ctx positions)
-    over its K/V ([1, kv_heads, ctx, d] each); returns [1, H, n, d]."""
+    over its K/V of positions first..ctx - 1 ([1, kv_heads, ctx - first, d] each), causal
+    and within `window`; returns [1, H, n, d]."""
     n = qi.shape[2]
     # enable_gqa reads each KV head once for its query group instead of materializing
     # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
     gqa = qi.shape[1] != ki.shape[1]
     if n == 1:
+        if window and ctx - window > first:  # a window only moves the first visible key
+            ki, vi = ki[:, :, ctx - window - first:], vi[:, :, ctx - window - first:]
         return F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=gqa)
     qi = qi.contiguous()  # a head-major copy: ~15% faster prefill attention
-    if n == ctx:
+    if n == ctx and not window:
         return F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
-    pos_q = torch.arange(ctx - n, ctx, device=qi.device)
-    mask = torch.arange(ctx, device=qi.device)[None, :] <= pos_q[:, None]
+    pos_q = torch.arange(ctx - n, ctx, device=qi.device)[:, None]
+    pos_k = torch.arange(first, ctx, device=qi.device)[None, :]
+    mask = pos_k <= pos_q
+    if window:
+        mask &= pos_q - pos_k < window
     return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                           enable_gqa=gqa)
 

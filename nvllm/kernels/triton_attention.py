@@ -180,17 +180,18 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 def _attend_range(
     q, m_i, l_i, acc, q_pos,
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head,
-    kv_start, kv_end,
+    kv_start, kv_end, window,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
     """Fold keys [kv_start, kv_end) into the running (m_i, l_i, acc) of the rows of q.
 
     q: [ROWS, BLOCK_D] (scores in log2 units after qk_scale); m_i, l_i: [ROWS] fp32;
-    acc: [ROWS, BLOCK_D] fp32. With CAUSAL, row r sees only keys at positions <= q_pos[r].
+    acc: [ROWS, BLOCK_D] fp32. With CAUSAL, row r sees only keys at positions <= q_pos[r],
+    and with SLIDING too only those > q_pos[r] - window.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -210,6 +211,8 @@ def _attend_range(
         keep = n_mask[None, :]
         if CAUSAL:
             keep = keep & (pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                keep = keep & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -238,7 +241,7 @@ def _attend_range(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, num_splits,
+    qk_scale, num_splits, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -253,12 +256,15 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
+    # A sliding window (window > 0) only moves the first visible key; the blocks before it
+    # are never read (the leader may have given them back).
+    lo = tl.maximum(ctx - window, 0) if window > 0 else 0
 
-    # Chunk of this split: the context cut into num_splits pieces, rounded up to whole BLOCK_N
-    # tiles (so only the last tile of the last chunk is ragged). Trailing splits of a short
-    # context can be empty: they write m = -inf, l = 0 and the reduction ignores them.
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
+    # Chunk of this split: the visible keys cut into num_splits pieces, rounded up to whole
+    # BLOCK_N tiles (so only the last tile of the last chunk is ragged). Trailing splits of a
+    # short context can be empty: they write m = -inf, l = 0 and the reduction ignores them.
+    split_len = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = lo + split * split_len
     kv_end = tl.minimum(kv_start + split_len, ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -275,10 +281,10 @@ def _decode_split_kernel(
     m_i, l_i, acc = _attend_range(
         q, m_i, l_i, acc, offs_g,  # q_pos unused (not causal: the one query sees everything)
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head,
-        kv_start, kv_end,
+        kv_start, kv_end, window,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         qk_scale,
-        CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        CAUSAL=False, SLIDING=False, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         PAGE_SIZE=PAGE_SIZE, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
     )
 
@@ -353,11 +359,12 @@ def _choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int | None = None,
-                     max_seqlen_k: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, max_seqlen_k: int | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [num_seqs, heads, d] -> out [num_seqs, heads, d].
 
-    Row i attends to keys 0..seq_lens[i]-1 of sequence i (block_tables[i]). num_splits=None
+    Row i attends to keys 0..seq_lens[i]-1 of sequence i (block_tables[i]), the last
+    `window` of them with a sliding window. num_splits=None
     picks the split count from the shape (max_seqlen_k, default: the block-table capacity, an
     upper bound that needs no device sync); pass it explicitly to force split-K.
     """
@@ -375,6 +382,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     if max_seqlen_k is None:
         max_seqlen_k = block_tables.shape[1] * page_size
+    if window:
+        max_seqlen_k = min(max_seqlen_k, window)
     if num_splits is None:
         num_splits = _choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, q.device)
     if num_splits < 1:
@@ -393,7 +402,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_m, part_l, part_acc,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -444,12 +453,13 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, Q_PER_TILE: tl.constexpr):
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, qk_scale,
+    num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     GROUP: tl.constexpr, Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # Grid (num_tiles, num_kv_heads), tiles flattened over the whole mixed batch.
     # A tile packs Q_PER_TILE consecutive query tokens x the GROUP query heads of one KV head
@@ -484,15 +494,18 @@ def _extend_kernel(
     # Keys up to the last query of the tile (causal); the new tokens' K/V are already in the
     # cache (store_kvcache ran first), so prefix and new keys come through the block table alike.
     kv_end = prefix + tl.minimum(tok0 + Q_PER_TILE, n)
+    # From the first key the tile's first query sees (a window; else 0): blocks before it
+    # are never read (the leader may have given them back).
+    kv_start = tl.maximum(prefix + tok0 - window + 1, 0) if SLIDING else 0
     m_i, l_i, acc = _attend_range(
         q, m_i, l_i, acc, q_pos,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head,
-        0, kv_end,
+        kv_start, kv_end, window,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         qk_scale,
         # The causal mask is applied on every tile (a few ALU ops next to two dots) rather than
         # splitting the loop into an unmasked body and a masked diagonal: simpler, same result.
-        CAUSAL=True, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        CAUSAL=True, SLIDING=SLIDING, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         PAGE_SIZE=PAGE_SIZE, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -501,9 +514,11 @@ def _extend_kernel(
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention of each query run (cu_seqlens_q) over its cached context, one launch
-    for a whole mixed batch (decode rows, chunks after a cached prefix, full prefills)."""
+    for a whole mixed batch (decode rows, chunks after a cached prefix, full prefills);
+    within a sliding `window` if given."""
     _check_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -527,24 +542,25 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _extend_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, out,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        num_seqs, scale * _LOG2E,
+        num_seqs, scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DOT_PRECISION=_dot_precision(q.dtype),
-        DOT_UPCAST=_dot_upcast(q.dtype, q.device),
+        DOT_UPCAST=_dot_upcast(q.dtype, q.device), SLIDING=bool(window),
         num_warps=num_warps, num_stages=2,
     )
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Same semantics as ``reference.paged_attention``: decode kernel for a pure-decode batch
     (one token per sequence), else the extend kernel for the whole (mixed) batch."""
     if meta.max_seqlen_q == 1 and q.shape[0] == meta.num_seqs:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                max_seqlen_k=meta.max_seqlen_k)
-    return extend_attention(q, k_cache, v_cache, meta, scale)
+                                max_seqlen_k=meta.max_seqlen_k, window=window)
+    return extend_attention(q, k_cache, v_cache, meta, scale, window)

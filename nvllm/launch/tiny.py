@@ -63,6 +63,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     "mistral": {"arch": "mistral"},
+    # Sliding-window attention on every layer; generations run far past the window.
+    "mistral-sw": {"arch": "mistral", "sliding_window": 32},
+    # Layers 1 and 2 windowed, layer 0 full (HF: layer i slides iff i >= max_window_layers):
+    # mixed layers keep every block.
+    "qwen2-sw": {"arch": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True,
+                 "sliding_window": 32, "max_window_layers": 1},
     # Qwen2 always has q/k/v bias; the biases are randomised so that dropping them is caught.
     "qwen2": {"arch": "qwen2"},
     # head_dim * num_heads (128) != hidden_size (64): catches code deriving head_dim.
@@ -263,6 +269,9 @@ def make_tiny_checkpoint(
     tool_tokenizer: bool = False,
     moe: dict[str, Any] | None = None,
     fused_experts: bool = False,
+    sliding_window: int | None = None,
+    use_sliding_window: bool = False,
+    max_window_layers: int | None = None,
 ) -> pathlib.Path:
     """Write a random HF checkpoint plus tokenizer to ``path`` and return it.
 
@@ -274,6 +283,8 @@ def make_tiny_checkpoint(
     fused_experts: write the experts as transformers 5 holds them (``experts.gate_up_proj``
     [E, 2I, H], ``experts.down_proj`` [E, H, I]) instead of save_pretrained's per-expert
     tensors; the values are the same.
+    sliding_window: Mistral's window (every layer); with use_sliding_window, Qwen's (the
+    layers from max_window_layers on).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -311,8 +322,11 @@ def make_tiny_checkpoint(
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     if arch in ("mistral", "mixtral"):
-        # No sliding window (as in Mistral v0.2+); the window would be > max positions anyway.
-        kwargs["sliding_window"] = None
+        # By default no sliding window (as in Mistral v0.2+).
+        kwargs["sliding_window"] = sliding_window
+    if arch in ("qwen2", "qwen3") and use_sliding_window:
+        kwargs.update(use_sliding_window=True, sliding_window=sliding_window,
+                      max_window_layers=max_window_layers)
     config = _config_class(arch)(**kwargs)
     # A tiny model's own hint for readers; weights are not drawn from it (see _init_weights).
     config.initializer_range = _EMBED_STD / math.sqrt(hidden_size)

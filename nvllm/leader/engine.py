@@ -79,7 +79,7 @@ class LLMEngine:
             self.capacity_tokens, config.max_model_len,
             self.capacity_tokens / config.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, config.model_info.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_plan_bytes)
         self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)

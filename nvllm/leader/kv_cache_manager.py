@@ -7,6 +7,15 @@ accounts for each plan (and again as sampled tokens arrive): a block enters the 
 cache once the plan that computes it is on its way, which is safe because workers
 execute plans in order, so any later plan that reads the block runs after it was
 written (and a failed worker group takes the whole prefix cache with it).
+
+Sliding windows: when every layer slides (``window``: the largest; None when any layer
+attends in full), a block wholly behind the window of the next query the sequence computes
+goes back to the pool as ``allocate_slots`` makes room, so a sequence holds at most
+cdiv(window + max_num_batched_tokens, block_size) + 1 blocks. Its table slot becomes
+``FREED`` (sent to the workers as block 0, which no kernel reads: it is outside the
+window), so the table is still indexed by position. A given-back block that is in the
+prefix cache stays there like any free cached block: its content is intact until the
+pool hands it out again, which evicts it first, so a hit never serves overwritten KV.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from dataclasses import dataclass
 from nvllm.common.utils import cdiv
 from nvllm.leader import block_pool  # one import: tests swap block_pool.hash_block_tokens
 from nvllm.leader.sequence import Sequence
+
+FREED = -1  # a block_table slot whose block went back to the pool (behind the window)
 
 
 @dataclass(slots=True)
@@ -29,9 +40,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 window: int | None = None) -> None:
+        """window: the model's sliding window when every layer slides (blocks behind it
+        are given back), else None."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.pool = block_pool.BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
 
@@ -81,11 +96,14 @@ class KVCacheManager:
         """Make room for num_new_tokens more tokens after the computed ones.
 
         With computed_blocks (a new or resumed sequence), those cache hits become the
-        start of its block table. Returns False, changing nothing, if blocks run short.
+        start of its block table. Returns False, changing nothing but giving back the
+        blocks the window has left behind, if blocks run short.
         """
         computed_blocks = computed_blocks or []
         if computed_blocks:
             assert not seq.block_table and seq.num_computed_tokens == 0
+        else:
+            self._free_behind_window(seq)
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = (cdiv(num_computed + num_new_tokens, self.block_size)
                       - len(seq.block_table) - len(computed_blocks))
@@ -98,9 +116,28 @@ class KVCacheManager:
             seq.chain_entries[:] = [b.entry_id for b in computed_blocks]
             seq.num_cached_blocks = len(computed_blocks)
             seq.num_computed_tokens = num_computed
+            self._free_behind_window(seq)
         if num_needed > 0:
             seq.block_table.extend(b.block_id for b in self.pool.get_new_blocks(num_needed))
         return True
+
+    def _free_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks wholly before the first key the sequence's next query (at
+        position num_computed_tokens) sees, oldest first (so they are evicted first)."""
+        if self.window is None:
+            return
+        end = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        if end <= seq.num_freed_blocks:
+            return
+        table = seq.block_table
+        behind = [self.pool.blocks[b] for b in table[seq.num_freed_blocks:end]]
+        table[seq.num_freed_blocks:end] = [FREED] * len(behind)
+        seq.num_freed_blocks = end
+        self.pool.free_blocks(behind)
+
+    def blocks_held(self, seq: Sequence) -> int:
+        """The blocks the sequence holds (its table less the slots given back)."""
+        return len(seq.block_table) - seq.num_freed_blocks
 
     def record_lookup(self, seq: Sequence) -> None:
         """Count a prompt's lookup (tokens queried, tokens hit) at its first admission;
@@ -122,6 +159,8 @@ class KVCacheManager:
         # past a block whose hash belongs to different content, nothing is cached.
         while seq.num_cached_blocks < num_full and len(seq.chain_entries) == seq.num_cached_blocks:
             i = seq.num_cached_blocks
+            if seq.block_table[i] == FREED:
+                break  # given back before its tokens were known: the chain ends here
             h = self._block_hash(seq, i)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             parent = seq.chain_entries[i - 1] if i else 0
@@ -138,8 +177,10 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks tail-first, so its prefix outlives its suffix."""
-        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(seq.block_table))
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(seq.block_table)
+                              if b != FREED)
         seq.block_table.clear()
+        seq.num_freed_blocks = 0
         seq.chain_entries.clear()
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0

@@ -3,7 +3,9 @@
 Workers keep each sequence's state, so a plan carries only differences: a sequence the
 workers do not hold yet (new, or resumed after preemption) travels whole as a ``NewSeq``;
 a running one as a ``RunningSeq`` delta (tokens to compute, blocks added since the last
-plan; no token ids, the workers append the tokens they sample themselves).
+plan; no token ids, the workers append the tokens they sample themselves). A table slot
+given back behind a sliding window (kv_cache_manager.FREED) travels as block 0: the
+workers index tables by position and never read a block outside the window.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class PlanBuilder:
             if not seq.on_worker:
                 new_seqs.append(worker_protocol.NewSeq(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, start, n,
-                    list(seq.block_table), to_worker_sampling(
+                    [max(b, 0) for b in seq.block_table], to_worker_sampling(
                         seq.params, seq.grammar.key if seq.grammar is not None else None,
                         seq.wants_prompt_logprobs)))
                 seq.on_worker = True

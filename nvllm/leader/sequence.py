@@ -35,6 +35,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     chain_entries: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Leading block_table slots given back to the pool, behind a sliding window (FREED).
+    num_freed_blocks: int = 0
     # What the workers hold for this sequence (plans carry only the difference). Workers
     # append the tokens they sample themselves, so only block ids travel as deltas.
     on_worker: bool = False

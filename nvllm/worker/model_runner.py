@@ -68,6 +68,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = MODEL_REGISTRY[arch](hf_config, tp, self.dtype,
                                               max(config.max_model_len, 1), self.backend,
+                                              config.model_info.layer_windows,
                                               expert_parallel=config.enable_expert_parallel)
         load_weights(self.model, config.model, show_progress=tp.rank == 0)
         self.model.eval()
@@ -126,7 +127,8 @@ class ModelRunner:
             # A second copy of what running sequences hold, so it gets its own budget.
             self.cpu_kv = CpuKVStore(self.kv_cache, int(self.config.cpu_kv_cache_gib * (1 << 30)),
                                      self.config.max_model_len,
-                                     native_decode=self.backend == "cpu")
+                                     native_decode=self.backend == "cpu",
+                                     window=self.config.model_info.kv_window)
         if self.use_cuda_graphs:
             self.capture_graphs()
 

@@ -72,13 +72,53 @@ def test_bad_values_name_the_field(qwen3, field, value, match):
         EngineConfig(str(qwen3), **{"device": "cpu", field: value}).finalize()
 
 
-def test_sliding_window_caps_max_model_len(qwen3):
-    edit_config(qwen3, sliding_window=128, use_sliding_window=True)
-    assert EngineConfig(str(qwen3), device="cpu").finalize().max_model_len == 128
-    with pytest.raises(ValueError, match="sliding_window 128"):
-        EngineConfig(str(qwen3), device="cpu", max_model_len=512).finalize()
+def test_sliding_window_no_longer_caps_max_model_len(qwen3):
+    # layer_types null: derived again from max_window_layers (as HF does).
+    edit_config(qwen3, sliding_window=128, use_sliding_window=True, max_window_layers=0,
+                layer_types=None)
+    c = EngineConfig(str(qwen3), device="cpu", max_model_len=512).finalize()
+    assert c.max_model_len == 512 and c.model_info.layer_windows == [128, 128]
+    assert c.model_info.kv_window == 128
     edit_config(qwen3, use_sliding_window=False)
-    assert EngineConfig(str(qwen3), device="cpu").finalize().max_model_len == 1024
+    c = EngineConfig(str(qwen3), device="cpu").finalize()
+    assert c.max_model_len == 1024 and c.model_info.kv_window is None
+
+
+HF_CONFIGS = [  # (model_type, config.json fields)
+    ("mistral", {"sliding_window": 32}),
+    ("mistral", {"sliding_window": None}),
+    ("qwen2", {"sliding_window": 32}),  # use_sliding_window defaults to False
+    ("qwen2", {"sliding_window": 32, "use_sliding_window": True}),  # max_window_layers 28
+    ("qwen2", {"sliding_window": 32, "use_sliding_window": True, "max_window_layers": 1}),
+    ("qwen2", {"sliding_window": 32, "use_sliding_window": False, "max_window_layers": 0}),
+    ("qwen3", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2}),
+    ("qwen3", {"sliding_window": 16, "use_sliding_window": True, "layer_types": [
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
+    ("llama", {"sliding_window": 32}),
+]
+
+
+@pytest.mark.parametrize("model_type,fields", HF_CONFIGS)
+def test_layer_windows_follow_transformers(model_type, fields):
+    """Each layer's window is what HF's attention layer uses: Mistral's config window on
+    every layer; Qwen's on the layers its layer_types slide; Llama's never."""
+    from transformers import AutoConfig
+
+    from nvllm.common.config import SUPPORTED_ARCHITECTURES, layer_windows
+
+    raw = {"num_hidden_layers": 4, **fields}
+    hf = AutoConfig.for_model(model_type, **raw)
+    arch = next(a for a in SUPPORTED_ARCHITECTURES if a.lower().startswith(model_type))
+    if model_type == "mistral":
+        want = [hf.sliding_window] * 4
+    elif model_type == "llama":
+        want = [None] * 4
+    else:
+        want = [hf.sliding_window if t == "sliding_attention" else None
+                for t in hf.layer_types]
+    assert layer_windows(arch, raw) == want
+    # A config.json that transformers wrote itself (layer_types spelled out) reads the same.
+    assert layer_windows(arch, {**hf.to_dict(), "num_hidden_layers": 4}) == want
 
 
 def test_small_token_budget_caps_max_num_seqs(qwen3):

@@ -64,9 +64,11 @@ def _copy_bytes(cap: int, kv_heads: int, dtype: torch.dtype) -> int:
 
 def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: int = 4,
          seed: int = 0, dtype: torch.dtype = torch.float32,
-         native: bool = False) -> dict[str, int]:
+         native: bool = False, window: int | None = None) -> dict[str, int]:
     """Runs every step through the CPU backend and the reference (each on its own paged
-    cache) and asserts equal outputs and caches; returns what the store went through."""
+    cache) and asserts equal outputs and caches; returns what the store went through.
+    With a window, every block wholly before a sequence's next visible key turns to NaN
+    after each step, as if the leader had given it back: neither side may read it."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = sum(cdiv(s.total, block_size) for s in seqs) + 3
@@ -87,7 +89,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
             reference.store_kvcache(k, v, paged[0, layer], paged[1, layer], slots)
     ref_cache = paged.clone()
     max_len = max(s.total for s in seqs)
-    store = CpuKVStore(paged, budget, max_len, native_decode=native)
+    store = CpuKVStore(paged, budget, max_len, native_decode=native, window=window)
     assert store.native_decode == native
     seen = dict(mixed_steps=0, grown=0, built=0, lost=0, native=0)
     ids = {id(s): i for i, s in enumerate(seqs)}
@@ -124,22 +126,28 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
             k, v = (torch.randn(t, kv_heads, HEAD_DIM, generator=g, dtype=dtype)
                     for _ in range(2))
             out = ops.attention(q, k, v, paged[0, layer], paged[1, layer], meta, SCALE,
-                                "torch", layer)
+                                "torch", layer, window)
             reference.store_kvcache(k, v, ref_cache[0, layer], ref_cache[1, layer],
                                     plain.slot_mapping)
             want = reference.paged_attention(q, ref_cache[0, layer], ref_cache[1, layer],
-                                             plain, SCALE)
+                                             plain, SCALE, window)
             _assert_close(out, want, native, f"step {step} layer {layer}: lens {lens} ctx {ctxs}")
         for s, n in zip(batch, lens):
             s.done += n
             if s.done == s.total:
                 store.drop(ids[id(s)])
-        # Every copy holds exactly what the pages hold.
+            elif window:
+                for b in s.table[:reference.window_start(s.done + 1, 1, window) // block_size]:
+                    paged[:, :, b] = ref_cache[:, :, b] = float("nan")
+        # Every copy holds exactly what the pages hold (with a window: the visible tail).
         for i, buf in store.copies.items():
-            s = seqs[i]
-            blocks = torch.tensor(s.table[:cdiv(s.done, block_size)])
-            pages = paged[:, :, blocks].reshape(2, LAYERS, -1, kv_heads, HEAD_DIM)[:, :, :s.done]
-            assert torch.equal(buf[:, :, :, :s.done], pages.permute(1, 0, 3, 2, 4))
+            s, off = seqs[i], store.offsets[i]
+            a = max(off, reference.window_start(s.done + 1, 1, window))
+            pages = paged[:, :, torch.tensor(s.table[:cdiv(s.done, block_size)])]
+            pages = pages.reshape(2, LAYERS, -1, kv_heads, HEAD_DIM)[:, :, a:s.done]
+            assert torch.equal(buf[:, :, :, a - off:s.done - off], pages.permute(1, 0, 3, 2, 4))
+            if window:  # the bound: the window, the step's tokens, a window of slack
+                assert buf.shape[3] <= max(MIN_CAPACITY, s.chunk + 2 * window)
     assert torch.equal(paged.nan_to_num(), ref_cache.nan_to_num())
     assert store.nbytes == 0 and not store.copies
     assert (seen["native"] > 0) == native
@@ -220,6 +228,25 @@ def test_random_ragged_runs(seed, native):
     _run(seqs, heads, kv_heads, budget, rng.choice([4, 16]), seed=seed, native=native)
 
 
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("window", [1, 6])
+def test_sliding_window(window, native):
+    """Prefill, chunks after a prefix and decode within a window, with the blocks before
+    it poisoned: copies keep only the window's tail (shifting instead of growing)."""
+    seqs = [Seq(0, 30, 40, chunk=7), Seq(20, 41, 6, chunk=16), Seq(9, 10, 40, arrive=2),
+            Seq(0, 5, 70, arrive=1)]
+    _run(seqs, 4, 2, ROOMY, 4, seed=window, native=native, window=window)
+
+
+def test_sliding_window_budget_runs_out():
+    """A window and a budget for about one copy: sequences fall back to their (windowed)
+    pages and rebuild copies from the window's tail."""
+    seqs = [Seq(0, 30, 20, chunk=7), Seq(20, 41, 6, chunk=16), Seq(9, 10, 30, arrive=2)]
+    seen = _run(seqs, 4, 2, int(1.5 * _copy_bytes(MIN_CAPACITY, 2, torch.float32)), 4,
+                seed=3, window=9)
+    assert seen["mixed_steps"] > 0 and seen["built"] > 0
+
+
 def test_store_capacity_and_bytes():
     paged = torch.zeros(2, LAYERS, 40, 4, 2, HEAD_DIM)
     store = CpuKVStore(paged, ROOMY, max_model_len=150, native_decode=False)
@@ -259,7 +286,8 @@ def test_native_ops_build():
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (2, 2, 64), (8, 1, 64), (4, 2, 128),
                                               (8, 1, 128), (4, 4, 32), (16, 1, 128),
                                               (6, 2, 80)])
-def test_native_decode_kernel(dtype, heads, kv_heads, d):
+@pytest.mark.parametrize("window", [0, 20])
+def test_native_decode_kernel(dtype, heads, kv_heads, d, window):
     """The kernel alone: a subset of a step's rows, K/V taken from a strided view (as the
     fused qkv projection hands them over), appended at each sequence's last position."""
     g = torch.Generator().manual_seed(heads * d)
@@ -278,7 +306,8 @@ def test_native_decode_kernel(dtype, heads, kv_heads, d):
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, as_long(slots), as_long(rows),
                              as_long([b.data_ptr() for b in bufs]),
-                             as_long([b.shape[3] for b in bufs]), as_long(lens), layer, 0.3)
+                             as_long([b.shape[3] for b in bufs]), as_long(lens), layer, 0.3,
+                             window)
     flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
     stored = [s for s in slots if s >= 0]
     assert torch.count_nonzero(flat_k.abs().sum((1, 2))) == len(stored)
@@ -288,6 +317,7 @@ def test_native_decode_kernel(dtype, heads, kv_heads, d):
         if slots[b] >= 0:
             assert torch.equal(flat_k[slots[b]], k[row])
             assert torch.equal(flat_v[slots[b]], v[row])
+        kv = kv[:, :, max(0, n - window) if window else 0:]  # a window: the last keys only
         want = F.scaled_dot_product_attention(
             q[row].float()[None, :, None], kv[0:1].float(), kv[1:2].float(), scale=0.3,
             enable_gqa=True)[0, :, 0]

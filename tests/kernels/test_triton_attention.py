@@ -341,3 +341,43 @@ def test_shape_errors():
         ta.paged_attention(torch.zeros(1, 3, 64, device=DEVICE), k_cache, k_cache, meta, 1.0)
     with pytest.raises(ValueError):
         ta.paged_attention(torch.zeros(1, 4, 32, device=DEVICE), k_cache, k_cache, meta, 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# sliding window
+# --------------------------------------------------------------------------------------------
+
+
+def poison_outside_window(meta, runs, window, block_size, k_cache, v_cache):
+    """Point every block-table entry wholly before a run's first visible key at a block of
+    NaN (as if the leader had given it back): reading one would poison the output."""
+    poison = k_cache.shape[0] - 1
+    k_cache[poison] = v_cache[poison] = float("nan")
+    for i, (n, ctx) in enumerate(zip(runs, meta.seq_lens_host)):
+        meta.block_tables[i, :reference.window_start(ctx, n, window) // block_size] = poison
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_sliding_window(window):
+    """Decode (single and split-K) and extend (prefills, chunks after a prefix, decode
+    rows) within a window equal the reference, never reading blocks before the window."""
+    gen = torch.Generator().manual_seed(window)
+    heads, kv_heads, head_dim, bs = 4, 2, 64, 8
+    for runs, ctx_lens in (([1, 1, 1, 1], [1, 9, 40, 70]),
+                           ([1, 7, 30, 1, 20], [50, 40, 30, 16, 61])):
+        num_blocks = sum(-(-c // bs) for c in ctx_lens) + 1
+        k_cache, v_cache = make_cache(num_blocks, bs, kv_heads, head_dim, torch.float32, gen)
+        meta = make_meta(runs, ctx_lens, bs, num_blocks - 1, gen)
+        poison_outside_window(meta, runs, window, bs, k_cache, v_cache)
+        q = torch.randn(sum(runs), heads, head_dim, generator=gen).to(DEVICE)
+        want = reference.paged_attention(q, k_cache, v_cache, meta, 0.125, window)
+        assert torch.isfinite(want).all()
+        assert_close(ta.paged_attention(q, k_cache, v_cache, meta, 0.125, window), want,
+                     torch.float32)
+        if len(runs) == 4:
+            out = ta.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      0.125, num_splits=3, window=window)
+            assert_close(out, want, torch.float32)
+        else:
+            assert_close(ta.extend_attention(q, k_cache, v_cache, meta, 0.125, window), want,
+                         torch.float32)

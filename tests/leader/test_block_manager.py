@@ -8,10 +8,10 @@ only reads blocks holding the KV of exactly its own prefix and only writes block
 from __future__ import annotations
 
 import pytest
-from leader_sim import BS, Sim, assert_no_leak, make_seq, toks
+from leader_sim import BS, Sim, assert_no_leak, cdiv, make_seq, toks
 
 from nvllm.leader import block_pool
-from nvllm.leader.kv_cache_manager import KVCacheManager
+from nvllm.leader.kv_cache_manager import FREED, KVCacheManager
 from nvllm.leader.sequence import Sequence
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -439,3 +439,54 @@ def test_abort_mid_prefill_leaks_nothing(make_sim):
     sim.sched.finish(a, "abort")
     assert_no_leak(sim.kv)
     assert sim.kv.pool.num_cached_blocks == 2  # its computed full blocks stay cached
+
+
+# ---- sliding windows: blocks behind the window go back to the pool --------------------------
+
+
+@pytest.mark.parametrize("window,budget", [(8, 4), (5, 256), (1, 3)])
+def test_window_bounds_the_blocks_a_sequence_holds(make_sim, window, budget):
+    """Chunked prompts and long decodes of a fully windowed model: every step reads only
+    blocks of its own prefix (Sim checks it) and a sequence never holds more than
+    cdiv(window + budget, block size) + 1 blocks; its table keeps one slot per position."""
+    sim = make_sim(num_blocks=40, max_num_batched_tokens=budget, window=window)
+    seqs = [sim.add(toks(0, 30), max_tokens=60), sim.add(toks(100, 7), max_tokens=80)]
+    bound = cdiv(window + budget, BS) + 1
+    most = 0
+    while sim.sched.num_unfinished:
+        sim.step()
+        for s in sim.sched.running:
+            assert sim.kv.blocks_held(s) <= bound
+            assert len(s.block_table) == cdiv(s.num_computed_tokens, BS)
+            most = max(most, sim.kv.blocks_held(s))
+    assert most > 1 and all(s.is_finished for s in seqs)
+    # 90 and 87 tokens would hold 23 and 22 blocks without the window.
+    assert sim.kv.num_blocks == 40 and not sim.sched.num_preemptions
+
+
+def test_full_attention_keeps_every_block(make_sim):
+    sim = make_sim(num_blocks=40)
+    seq = sim.add(toks(0, 10), max_tokens=30)
+    for _ in range(20):
+        sim.step()
+    assert sim.kv.blocks_held(seq) == len(seq.block_table) == cdiv(seq.num_computed_tokens, BS)
+
+
+def test_given_back_blocks_still_serve_prefix_hits(make_sim):
+    """A block behind the window stays cached (its KV is intact until the pool hands it
+    out again, which evicts it): an identical prompt hits it and reads the right KV."""
+    sim = make_sim(num_blocks=12, max_num_batched_tokens=4, window=4)
+    a = sim.add(toks(0, 21), max_tokens=4)
+    sim.run()
+    assert sim.last_table[a.seq_id][:3] == [FREED] * 3  # given back, but still cached:
+    assert sim.kv.pool.num_cached_blocks >= 5
+    b = sim.add(toks(0, 21), max_tokens=4)
+    sim.run()
+    assert sim.hits_of(b) == [20]  # Sim checked every block it read holds its own prefix
+    # Blocks handed out again leave the cache first: other prompts evict the old ones.
+    for i in range(4):
+        sim.add(toks(1000 * (i + 1), 40), max_tokens=2)
+    sim.run()
+    c = sim.add(toks(0, 21), max_tokens=2)
+    sim.run()
+    assert sim.hits_of(c) == [0]

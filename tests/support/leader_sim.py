@@ -17,7 +17,7 @@ import itertools
 
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.worker_protocol import StepResult
-from nvllm.leader.kv_cache_manager import KVCacheManager
+from nvllm.leader.kv_cache_manager import FREED, KVCacheManager
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
 from nvllm.leader.sequence import Sequence, SequenceStatus
 
@@ -56,8 +56,12 @@ class Sim:
     """
 
     def __init__(self, num_blocks: int = 64, *, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True):
-        self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching)
+                 max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        """window: a fully sliding-window model's (blocks behind it are given back, and
+        a sequence reads only the keys within it)."""
+        self.window = window
+        self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching, window)
         self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len=4096)
         self.seqs: list[Sequence] = []
         self.kv_content: dict[int, tuple[int, ...]] = {}
@@ -135,7 +139,9 @@ class Sim:
         done, table = seq.num_computed_tokens - n, seq.block_table
         assert n >= 1 and done + n <= seq.num_tokens
         assert len(table) * BS >= done + n, "no slot for a scheduled token"
-        for i in range(cdiv(done, BS)):  # reads: the KV of exactly our own prefix
+        first = max(0, done - self.window + 1) // BS if self.window else 0
+        assert FREED not in table[first:], "a block inside the window was given back"
+        for i in range(first, cdiv(done, BS)):  # reads: the KV of exactly our own prefix
             want = tuple(seq.token_ids[:min((i + 1) * BS, done)])
             assert self.kv_content.get(table[i]) == want, f"seq {seq.seq_id} reads wrong KV"
         for i in range(done // BS, cdiv(done + n, BS)):  # writes: only into our own blocks
@@ -151,8 +157,9 @@ class Sim:
         for seq in self.seqs:
             if seq.status is not SequenceStatus.RUNNING:
                 assert seq.block_table == []
-            assert len(set(seq.block_table)) == len(seq.block_table)
-            for b in seq.block_table:
+            held = [b for b in seq.block_table if b != FREED]
+            assert len(set(held)) == len(held)
+            for b in held:
                 users[b] += 1
         assert [b.ref_cnt for b in self.kv.pool.blocks] == users
         assert self.kv.num_free_blocks == users.count(0)

@@ -155,9 +155,10 @@ def test_dynamic_rope_is_refused():
 
 # --- paged attention -------------------------------------------------------------------
 
-def _reference(q, k, v, scale):
+def _reference(q, k, v, scale, window=None):
     """Dense causal attention by hand, float64. q [n, H, d]; k, v [ctx, KVH, d]; the n
-    queries are the last n positions of the context."""
+    queries are the last n positions of the context; with a window, query i sees key j
+    only if i - j < window (HF's sliding-window mask)."""
     n, heads, _ = q.shape
     ctx, kv_heads, _ = k.shape
     kv_of_head = torch.arange(heads) // (heads // kv_heads)  # query head h reads KV h // g
@@ -166,6 +167,8 @@ def _reference(q, k, v, scale):
     vh = v.double()[:, kv_of_head].transpose(0, 1)
     pos_q = torch.arange(ctx - n, ctx)[:, None]
     allowed = torch.arange(ctx)[None, :] <= pos_q  # [n, ctx]
+    if window:
+        allowed &= pos_q - torch.arange(ctx)[None, :] < window
     s = (qh @ kh.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
     return (torch.softmax(s, dim=-1) @ vh).transpose(0, 1)  # [n, H, d]
 
@@ -174,7 +177,8 @@ def _slots(table: list[int], positions, block_size: int) -> list[int]:
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def _run_paged(seqs, heads, kv_heads, block_size, head_dim=8, seed=0, extra_blocks=3):
+def _run_paged(seqs, heads, kv_heads, block_size, head_dim=8, seed=0, extra_blocks=3,
+               window=None):
     """seqs: [(ctx, n)]. Stores every sequence's context through store_kvcache into a
     cache with random, non-contiguous block tables, runs paged_attention on the query runs
     and compares with the dense reference."""
@@ -216,11 +220,11 @@ def _run_paged(seqs, heads, kv_heads, block_size, head_dim=8, seed=0, extra_bloc
     )
     scale = 1 / math.sqrt(head_dim)
     q = torch.cat(qs)
-    out = paged_attention(q, k_cache, v_cache, meta, scale, "torch")
+    out = paged_attention(q, k_cache, v_cache, meta, scale, "torch", window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     for i, (k, v) in enumerate(zip(ks, vs)):
-        ref = _reference(qs[i], k, v, scale)
+        ref = _reference(qs[i], k, v, scale, window)
         torch.testing.assert_close(out[cu[i]:cu[i + 1]].double(), ref, rtol=1e-5, atol=1e-5,
                                    msg=lambda m, i=i: f"sequence {i} {seqs[i]}: {m}")
 
@@ -250,6 +254,14 @@ def test_paged_attention_chunk_after_cached_prefix(heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 def test_paged_attention_prefill_only(heads, kv_heads):
     _run_paged([(3, 3), (8, 8), (11, 11)], heads, kv_heads, 4, seed=3)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+def test_paged_attention_sliding_window(window):
+    # Prefills, chunks after a prefix and decodes, within windows smaller and larger
+    # than the blocks and the contexts.
+    _run_paged([(7, 7), (13, 1), (21, 3), (17, 8), (33, 32), (40, 1)], 4, 2, 4, seed=window,
+               window=window)
 
 
 def test_paged_attention_single_sequence_exact_blocks():

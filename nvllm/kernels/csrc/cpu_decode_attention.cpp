@@ -219,7 +219,7 @@ template <typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
          const at::Tensor& rows, const at::Tensor& bases, const at::Tensor& caps,
-         const at::Tensor& lens, int64_t layer, double scale) {
+         const at::Tensor& lens, int64_t layer, double scale, int64_t window) {
   const int64_t n = rows.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_new.size(1);
   const int64_t group = heads / kv_heads;
   const int64_t* row = rows.data_ptr<int64_t>();
@@ -256,14 +256,18 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
       }
       const T* qh = qp + row[b] * qs0 + h * group * qs1;
       T* oh = op + row[b] * os0 + h * group * os1;
+      // A sliding window only moves the first visible key: the last `window` ones.
+      const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0;
+      const T* kw = k + first * d;
+      const T* vw = v + first * d;
 #ifdef __AVX512F__
       if (fixed != nullptr) {
-        fixed(qh, qs1, k, v, len[b], static_cast<float>(scale), oh, os1, scores);
+        fixed(qh, qs1, kw, vw, len[b] - first, static_cast<float>(scale), oh, os1, scores);
         continue;
       }
 #endif
-      attend_one<T>(qh, qs1, k, v, len[b], group, d, static_cast<float>(scale), oh, os1,
-                    scores);
+      attend_one<T>(qh, qs1, kw, vw, len[b] - first, group, d, static_cast<float>(scale), oh,
+                    os1, scores);
     }
   });
 }
@@ -271,13 +275,14 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
 // For each decoding sequence b: write k_new[rows[b]] and v_new[rows[b]] as its token
 // lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype)
 // and at slots[b] of the paged cache (skipped when -1), then out[rows[b]] = attention
-// of q[rows[b]] over its first lens[b] keys and values. The caller guarantees the
+// of q[rows[b]] over its first lens[b] keys and values (the last `window` of them when
+// window > 0: sliding-window attention; 0: all). The caller guarantees the
 // buffers (cpu_attention.CpuKVStore), lens[b] <= caps[b] and the slots.
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
                       const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
                       const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
                       const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
-                      double scale) {
+                      double scale, int64_t window) {
   const int64_t kv_heads = k_new.size(1);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_new, &v_new})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->size(2) == q.size(2) &&
@@ -297,10 +302,10 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
                 "rows, bases, caps, lens and slots must be int64 vectors of one length");
   if (q.scalar_type() == at::kFloat)
     run<float>(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens, layer,
-               scale);
+               scale, window);
   else if (q.scalar_type() == at::kBFloat16)
     run<uint16_t>(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens,
-                  layer, scale);
+                  layer, scale, window);
   else
     TORCH_CHECK(false, "decode_attention runs in float32 or bfloat16");
 }
@@ -310,7 +315,7 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
 TORCH_LIBRARY(nvllm_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor rows, Tensor bases, "
-        "Tensor caps, Tensor lens, int layer, float scale) -> ()");
+        "Tensor caps, Tensor lens, int layer, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

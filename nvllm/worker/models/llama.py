@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3) with tensor parallelism.
 
 The members differ only in flags read from the HF config: QKV bias (Qwen2), per-head
-q/k RMSNorm (Qwen3), explicit head_dim, rope scaling and tied embeddings.
+q/k RMSNorm (Qwen3), explicit head_dim, rope scaling and tied embeddings; and in each
+layer's sliding window (Mistral, Qwen2/Qwen3 with use_sliding_window), which the caller
+reads from the config.json (nvllm/common/config.py:layer_windows).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ Stages = Generator[torch.Tensor, torch.Tensor, object]
 
 class DecoderAttention(nn.Module):
     def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 window: int | None = None) -> None:
         super().__init__()
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -43,7 +46,7 @@ class DecoderAttention(nn.Module):
                                         o_bias, tp, dtype)
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5, backend)
+                              self.head_dim ** -0.5, backend, window)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
@@ -85,14 +88,15 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Attention, then a feed-forward with `partial` and `finish`: the dense DecoderMLP or
-    a mixture of experts (worker/layers/moe.py), each one all-reduce."""
+    """Attention (full, or over a sliding window), then a feed-forward with `partial` and
+    `finish`: the dense DecoderMLP or a mixture of experts (worker/layers/moe.py), each one
+    all-reduce."""
 
     def __init__(self, cfg, tp, dtype, rotary, backend, qkv_bias, o_bias, qk_norm,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, window: int | None = None) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, tp, dtype, rotary, backend, qkv_bias, o_bias,
-                                          qk_norm)
+                                          qk_norm, window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
@@ -130,7 +134,10 @@ class LlamaForCausalLM(nn.Module):
         return b, b
 
     def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, max_position: int,
-                 attention_backend: str = "torch", expert_parallel: bool = False) -> None:
+                 attention_backend: str = "torch",
+                 layer_windows: list[int | None] | None = None,
+                 expert_parallel: bool = False) -> None:
+        """layer_windows: each layer's sliding window (None: full; default: all full)."""
         super().__init__()
         self.tp = tp
         self.expert_parallel = expert_parallel  # MoE models: whole experts per rank
@@ -140,9 +147,11 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, attention_backend)
         qkv_bias, o_bias = self.attention_biases(cfg)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        windows = layer_windows or [None] * cfg.num_hidden_layers
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, dtype, rotary, attention_backend, qkv_bias, o_bias,
-                         self.qk_norm, self.make_mlp(cfg, i, tp, dtype, attention_backend))
+                         self.qk_norm, self.make_mlp(cfg, i, tp, dtype, attention_backend),
+                         windows[i])
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, attention_backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
