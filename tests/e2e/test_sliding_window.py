@@ -1,8 +1,8 @@
 """Sliding-window models against HF transformers float32, token for token, generating
 far past the window (32) with chunked prefill: a fully windowed Mistral (whose blocks
 behind the window go back to the pool) and a Qwen2 whose layers mix windowed and full
-attention (which keeps every block); a second identical batch, served from the prefix
-cache, equals the first."""
+attention (which keeps every block), at tp 1 (and the Mistral at tp 2); a second identical
+batch, served from the prefix cache, equals the first."""
 
 from __future__ import annotations
 
@@ -29,15 +29,20 @@ def test_windowed_models_equal_hf(tiny, preset, tp):
     full = preset.startswith("mistral")
     assert info.layer_windows == ([WINDOW] * 2 if full else [None, WINDOW, WINDOW])
     assert llm.engine.config.max_model_len > WINDOW  # no longer capped at the window
-    kv, held = llm.engine.kv, []
-    allocate = kv.allocate_slots
+    kv, held, usage = llm.engine.kv, [], []
+    allocate, set_state = kv.allocate_slots, llm.engine.metrics.set_state
 
     def allocate_and_count(seq, *args):
         ok = allocate(seq, *args)
         held.append(kv.blocks_held(seq))
         return ok
 
+    def record_usage(running, waiting, kv_usage):  # the nvllm:kv_cache_usage_perc gauge
+        usage.append(kv_usage)
+        set_state(running, waiting, kv_usage)
+
     kv.allocate_slots = allocate_and_count
+    llm.engine.metrics.set_state = record_usage
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     with llm:
         first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -47,10 +52,14 @@ def test_windowed_models_equal_hf(tiny, preset, tp):
             assert kv.stats.hits > hits and again[0].outputs[0].token_ids == first[0]
     # A fully windowed model holds the window and a step's tokens; a mixed one, all.
     longest = cdiv(len(PROMPTS[0]) + MAX_TOKENS - 1, BLOCK)
+    bound = cdiv(WINDOW + BUDGET, BLOCK) + 1
     if full:
-        assert max(held) <= cdiv(WINDOW + BUDGET, BLOCK) + 1 < longest
+        assert max(held) <= bound < longest
+        # The exported usage shows it too: both sequences together within two bounds.
+        assert 0 < max(usage) * kv.num_blocks <= 2 * bound
     else:
         assert max(held) == longest
+        assert max(usage) * kv.num_blocks >= longest
     for i, (p, got) in enumerate(zip(PROMPTS, first)):
         assert got == generate(model, p, MAX_TOKENS, min_new_tokens=MAX_TOKENS), f"prompt {i}"
 
