@@ -20,6 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_kernels import bench  # noqa: E402  (scripts/ is on sys.path when run)
 
 # Error bounds relative to the output's max magnitude (the unit tests' bounds).
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -40,22 +41,6 @@ def grouped_torch(x, w13, w2, ids, wts, expert_start=0, acc=torch.float32):
         y = (h @ w2[e].T).to(acc) * wts[tok, slot, None].to(acc)
         out.index_add_(0, tok, y)
     return out
-
-
-def bench(fn, warmup: int = 3, iters: int = 20) -> float:
-    """Median seconds per call, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def make(t, h, i, e, k, n_global, dtype, seed):
