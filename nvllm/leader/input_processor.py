@@ -15,7 +15,7 @@ from typing import Any
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import RequestRejected
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.common.utils import is_int
+from nvllm.common.utils import cdiv, is_int
 from nvllm.leader.request import Request
 from nvllm.leader.sequence import Sequence
 
@@ -71,6 +71,17 @@ class InputProcessor:
                                      is not None))
         return req
 
+    def _kv_tokens_needed(self, num_tokens: int) -> int:
+        """KV a sequence of num_tokens holds at its peak: all of them, or, when every
+        layer slides, its window and one step's tokens (blocks behind the window go back
+        to the pool: nvllm/leader/kv_cache_manager.py)."""
+        window = self.config.model_info.kv_window
+        if window is None:
+            return num_tokens
+        bs = self.config.block_size
+        return min(num_tokens,
+                   (cdiv(window + self.config.max_num_batched_tokens, bs) + 1) * bs)
+
     def _validate(self, ids: Any, params: SamplingParams) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
             raise RequestRejected("prompt is empty: give at least one token")
@@ -101,7 +112,7 @@ class InputProcessor:
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
                 f"{params.max_tokens} exceeds max_model_len {limit}; lower max_tokens to "
                 f"{limit - n} or less")
-        if n + params.max_tokens > self.capacity_tokens:
+        if self._kv_tokens_needed(n + params.max_tokens) > self.capacity_tokens:
             raise RequestRejected(
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}, but the KV "
                 f"cache holds only {self.capacity_tokens} tokens in all; raise num_kv_blocks "

@@ -78,3 +78,24 @@ def test_hf_reference_applies_the_window(tiny, preset):
         out = full.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=60,
                             min_new_tokens=60, pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
     assert out != generate(model, PROMPTS[0], 60, min_new_tokens=60)
+
+
+@pytest.mark.parametrize("backend,kw", [
+    ("torch", {}),
+    ("cpu", {"num_kv_blocks": 12, "max_num_seqs": 4}),  # forced preemption
+], ids=["torch_backend", "preemption"])
+def test_windowed_mistral_on_the_torch_backend_and_under_preemption(tiny, backend, kw):
+    """The reference kernels apply the window in a whole engine too; and a windowed
+    sequence preempted after giving blocks back recomputes exactly (12 blocks of 8 hold
+    two sequences' windows, not four)."""
+    model = tiny("mistral-sw")
+    prompts = [list(range(5 + i, 45 + i)) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=100, min_tokens=100)
+    with LLM(model, device="cpu", dtype="float32", block_size=BLOCK,
+             max_num_batched_tokens=BUDGET, attention_backend=backend, **kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        if kw:
+            assert llm.engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == generate(model, p, 100, min_new_tokens=100)
