@@ -131,8 +131,6 @@ class GrammarService:
                 fut.set_exception(result)
 
     def _remember(self, g: CompiledGrammar) -> None:
-        if g.nbytes > self.cache_bytes:
-            return
         self._cache[g.key] = g
         self._cached_bytes += g.nbytes
         while self._cached_bytes > self.cache_bytes:
@@ -162,6 +160,11 @@ class GrammarService:
             raise GrammarError("the grammar compiler answered out of turn; try again")
         if not ok:
             raise GrammarError(f"invalid structured_outputs.{so.kind}: {payload}")
+        if len(payload) > self.cache_bytes:
+            # It travels to rank 0 in one frame and must fit the cache that rank keeps.
+            raise GrammarError(
+                f"structured_outputs.{so.kind} compiles to {len(payload)} bytes, more than "
+                f"the grammar cache ({self.cache_bytes} bytes, grammar_cache_mib); simplify it")
         self.num_compiled += 1
         return CompiledGrammar(key, payload)
 

@@ -73,6 +73,17 @@ def test_a_compile_past_the_time_limit_is_killed_and_the_next_one_works(tiny):
     assert svc.pid is None
 
 
+def test_a_grammar_bigger_than_the_cache_is_refused(tiny):
+    svc = GrammarService(tiny("qwen3"), 1024, [0], timeout_s=30.0, cache_bytes=2000,
+                         max_spec_bytes=4096, any_whitespace=False)
+    try:
+        with pytest.raises(GrammarError, match="compiles to .* bytes, more than the grammar "
+                                               r"cache \(2000 bytes"):
+            svc.compile(SO(json={"type": "object", "properties": {"a": {"type": "string"}}}))
+    finally:
+        svc.close()
+
+
 def test_choice_and_json_string_rules():
     assert choice_grammar(['a"b', "c\\d", "é"]) == r'root ::= "a\"b" | "c\\d" | "\u00e9"'
     loose = 'x ::= (([^\\"\\\\\\r\\n]))'
