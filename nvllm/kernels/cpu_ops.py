@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 NAME = "nvllm_cpu_ops"
 CSRC = pathlib.Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp"]
+SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
+           CSRC / "cpu_token_bitmask.cpp"]
 HEADERS = [CSRC / "bf16.h"]  # part of the build's key, not compiled on their own
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
@@ -138,6 +139,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     k_out = torch.empty(k.shape, dtype=k.dtype)
     torch.ops.nvllm_cpu.rotary_embedding(q_out, k_out, positions, q, k, cos, sin)
     return q_out, k_out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits[r, j] = -inf where bit j of bitmask[r] is 0, for r in rows (in place;
+    xgrammar's bitmask layout; logits float32 [B, V], bitmask int32 [B, ceil(V / 32)])."""
+    torch.ops.nvllm_cpu.apply_token_bitmask(logits, bitmask,
+                                            torch.tensor(rows, dtype=torch.long))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from nvllm.common import worker_protocol
+from nvllm.kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,11 @@ def apply_masks(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
     bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
-                                    indices=rows)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.load():
+        # xgrammar's CPU kernel is a scalar loop (~3 ms for 64 rows of 16k logits, nearly
+        # all masked); nvllm's vectorised one does the same in a fraction.
+        cpu_ops.apply_token_bitmask(logits, bitmask, rows)
+    else:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
+                                        indices=rows)
     return logits

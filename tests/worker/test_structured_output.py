@@ -113,3 +113,24 @@ def test_replay_equals_step_by_step_and_terminated_rows_pass(state, tok):
 def test_unknown_grammar_is_a_leader_bug(state):
     with pytest.raises(RuntimeError, match="never sent"):
         state.start(9, sampling("nope"), [])
+
+
+@pytest.mark.parametrize("vocab", [1024, 1000, 37])
+def test_native_cpu_mask_equals_xgrammars(vocab):
+    """nvllm's vectorised CPU mask (cpu_ops.apply_token_bitmask) sets exactly the logits
+    xgrammar's own kernel sets, on the listed rows only, for ragged vocabularies too."""
+    from nvllm.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("nvllm's native CPU ops did not build here")
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), generator=g, dtype=torch.int32)
+    bitmask[1] = -1  # every token allowed: the row is left as it is
+    logits = torch.randn(5, vocab, generator=g)
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=[0, 1, 3],
+                                    backend="cpu")
+    cpu_ops.apply_token_bitmask(got, bitmask, [0, 1, 3])
+    assert torch.equal(got, want) and torch.equal(got[[2, 4]], logits[[2, 4]])
+    assert torch.isneginf(got[0]).any() and torch.equal(got[1], logits[1])
