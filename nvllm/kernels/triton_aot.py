@@ -94,9 +94,9 @@ class _Recorder:
 
 
 def _kernel_modules():
-    from nvllm.kernels import triton_attention, triton_layer_ops
+    from nvllm.kernels import triton_attention, triton_layer_ops, triton_moe
 
-    return triton_attention, triton_layer_ops
+    return triton_attention, triton_layer_ops, triton_moe
 
 
 @contextlib.contextmanager
@@ -127,7 +127,7 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
 
     from nvllm.kernels.metadata import build_metadata
 
-    attn, layer = _kernel_modules()
+    attn, layer, moe = _kernel_modules()
     dtype = getattr(torch, dtype_name)
     t, h, kh, d = _TOKENS, shape.heads, shape.kv_heads, shape.head_dim
     out: list[Launch] = []
@@ -170,6 +170,7 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
         meta, _ = build_metadata([t - 1, 1], [t, t], [list(range(num_blocks))] * 2,
                                  page_size)
         rec("extend", attn.extend_attention, q.contiguous(), kc, vc, meta, d ** -0.5)
+        _record_moe(rec, moe, shape, dtype)
 
     # DOT_UPCAST widens bf16 dots only under the interpreter (CPU tensors); a CUDA launch
     # passes what _dot_upcast says for a CUDA device.
@@ -177,6 +178,26 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
         if "DOT_UPCAST" in launch.kwargs:
             launch.kwargs["DOT_UPCAST"] = attn._dot_upcast(dtype, torch.device("cuda"))
     return out
+
+
+def _record_moe(rec, moe, shape: ModelShape, dtype) -> None:
+    """The fused-MoE launches with the tiles a CUDA launch picks (triton_moe._config reads
+    the device, and these tensors are on the CPU): a decode batch (4 tokens, top-8: a few
+    pairs per expert) and a prefill (256 tokens, top-2: 64 per expert)."""
+    import torch
+
+    pick = moe._config
+    moe._config = lambda n, e, dt, _device: pick(n, e, dt, torch.device("cuda"))
+    try:
+        e, i = 8, 256  # experts and their intermediate size only move runtime arguments
+        w13 = torch.zeros(e, 2 * i, shape.hidden, dtype=dtype)
+        w2 = torch.zeros(e, shape.hidden, i, dtype=dtype)
+        for t, k in ((4, 8), (256, 2)):
+            ids = (torch.arange(t * k) % e).view(t, k)
+            rec(f"moe top-{k}", moe.fused_moe, torch.zeros(t, shape.hidden, dtype=dtype), w13,
+                w2, ids, torch.full((t, k), 1.0 / k), 0)
+    finally:
+        moe._config = pick
 
 
 def specialize(launch: Launch, target):

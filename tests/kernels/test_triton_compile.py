@@ -86,9 +86,9 @@ def test_every_launched_kernel_compiles_and_fits_shared_memory(tmp_path):
     # target and dtype (a new kernel whose wrapper record_launches does not call fails here).
     from triton.runtime.jit import KernelInterface
 
-    from nvllm.kernels import triton_attention, triton_layer_ops
+    from nvllm.kernels import triton_attention, triton_layer_ops, triton_moe
 
-    kernels = {name for mod in (triton_attention, triton_layer_ops)
+    kernels = {name for mod in (triton_attention, triton_layer_ops, triton_moe)
                for name, val in vars(mod).items()
                if name.endswith("_kernel") and isinstance(val, KernelInterface)}
     assert len(kernels) >= 7, kernels
