@@ -40,14 +40,18 @@ class StructuredOutputsParams:
             try:
                 self.json = json.dumps(self.json, separators=(",", ":"), ensure_ascii=False,
                                        allow_nan=False)
-            except (TypeError, ValueError, RecursionError):
+            except RecursionError:
+                raise bad("json", "is nested too deeply") from None
+            except (TypeError, ValueError):
                 raise bad("json", "must be a JSON schema (a JSON object)") from None
         if self.json is not None:
             if not isinstance(self.json, str):
                 raise bad("json", "must be a JSON schema (a JSON object or its text)")
             try:
                 schema = json.loads(self.json)
-            except (ValueError, RecursionError):
+            except RecursionError:
+                raise bad("json", "is nested too deeply") from None
+            except ValueError:
                 raise bad("json", "is not valid JSON text") from None
             if not isinstance(schema, (dict, bool)):
                 raise bad("json", "must be a JSON schema (a JSON object)")
