@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse, Response
 
 from nvllm.common.outputs import CompletionDelta
 from nvllm.launch.openai import fanout, structured, tools
+from nvllm.launch.openai.body import parse_body
 from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
-from nvllm.launch.openai.schemas import ChatBody, leader_params, parse_body
+from nvllm.launch.openai.schemas import ChatBody, leader_params
 from nvllm.launch.openai.sse import Envelope, stream_fanout
 from nvllm.launch.openai.state import GatewayState
 from nvllm.launch.openai.tool_calls import CallMachine, Delta

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from nvllm.launch.openai.body import parse_plain_body
 from nvllm.launch.openai.chat import render_text
 from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.schemas import (
@@ -27,7 +28,6 @@ from nvllm.launch.openai.schemas import (
     TokenId,
     Tool,
     _Body,
-    parse_plain_body,
 )
 from nvllm.launch.openai.state import GatewayState
 

@@ -11,6 +11,7 @@ import pytest
 from starlette.requests import Request
 
 from nvllm.launch.openai import schemas
+from nvllm.launch.openai.body import read_body
 from nvllm.launch.openai.errors import ApiError
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -63,14 +64,14 @@ def test_body_is_read_incrementally_and_stops_at_the_limit():
     chunks = [b"x" * 400] * 100
     req, calls = _request(chunks, {})
     with pytest.raises(ApiError) as e:
-        asyncio.run(schemas.read_body(req, 1000))
+        asyncio.run(read_body(req, 1000))
     assert e.value.status == 413 and calls[0] == 3  # 1200 bytes read, not 40000
     req, calls = _request(chunks, {"content-length": "40000"})
     with pytest.raises(ApiError):
-        asyncio.run(schemas.read_body(req, 1000))
+        asyncio.run(read_body(req, 1000))
     assert calls[0] == 0  # refused on the header alone
     req, _ = _request([b"ab", b"cd"], {"content-length": "4"})
-    assert asyncio.run(schemas.read_body(req, 4)) == b"abcd"
+    assert asyncio.run(read_body(req, 4)) == b"abcd"
 
 
 # ---- refused, ignored and unknown fields -----------------------------------------------------
