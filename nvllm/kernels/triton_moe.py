@@ -110,6 +110,18 @@ def _align(topk_ids: torch.Tensor, expert_start: int, n_experts: int,
 
 
 @triton.jit
+def _block_tile(pid_m, pid_n, sorted_ids_ptr, block_expert_ptr, n_pairs, n_cols,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program's tile: its sorted rows, their (token, k) pairs and which are real (not
+    sentinel padding), the block's expert, and its columns (of n_cols) with their mask."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, pair, pair < n_pairs, expert, cols, cols < n_cols
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, stride_xt,                 # x [T, H], unit stride on H
     w_ptr, stride_we, stride_wn,      # w13 [E, 2I, H], unit stride on H
@@ -128,13 +140,9 @@ def _moe_gate_up_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    row_mask = pair < n_pairs
+    rows, pair, row_mask, expert, cols, col_mask = _block_tile(
+        pid_m, pid_n, sorted_ids_ptr, block_expert_ptr, n_pairs, INTER, BLOCK_M, BLOCK_N)
     tok = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < INTER
     ks = tl.arange(0, BLOCK_K)
 
     a_ptrs = x_ptr + tok[:, None] * stride_xt + ks[None, :]
@@ -179,12 +187,8 @@ def _moe_down_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    row_mask = pair < n_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
+    rows, pair, row_mask, expert, cols, col_mask = _block_tile(
+        pid_m, pid_n, sorted_ids_ptr, block_expert_ptr, n_pairs, H, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
 
     # Sentinel rows were never written by the first kernel: mask them here too.
