@@ -78,6 +78,9 @@ class ModelRunner:
         # Rank 0 samples, so it alone holds the grammars and matchers.
         self.structured = StructuredOutputState() if tp.rank == 0 else None
         self.seqs: dict[int, WorkerSeq] = {}
+        # Sequences whose plan asks to score their prompt (WorkerSampling.prompt_logprobs):
+        # held on every rank alike, so a step without any costs one check.
+        self.scoring: set[int] = set()
         self.kv_cache: torch.Tensor | None = None
         # The CPU attention backend's contiguous per-sequence K/V (made with the cache).
         self.cpu_kv: CpuKVStore | None = None
@@ -145,6 +148,7 @@ class ModelRunner:
 
     def _drop(self, sid: int) -> None:
         self.seqs.pop(sid, None)
+        self.scoring.discard(sid)
         if self.structured is not None:
             self.structured.drop(sid)
         if self.cpu_kv is not None:
@@ -208,6 +212,8 @@ class ModelRunner:
             seq = WorkerSeq(ns.token_ids, ns.num_prompt_tokens, ns.num_computed_tokens,
                             ns.block_table, ns.sampling)
             self.seqs[ns.seq_id] = seq
+            if ns.sampling.prompt_logprobs is not None:
+                self.scoring.add(ns.seq_id)
             if ns.sampling.grammar_key is not None and self.structured is not None:
                 self.structured.start(ns.seq_id, ns.sampling,
                                       ns.token_ids[ns.num_prompt_tokens:])
@@ -309,6 +315,8 @@ class ModelRunner:
         hidden row of position i predicts prompt token i + 1. Every rank runs the same
         lm_head calls (its gather is a collective; the plan, hence the rows, is the same on
         all ranks); rank 0 returns StepResult.prompt_logprobs' entries, the others None."""
+        if not self.scoring:
+            return None
         rows: list[int] = []
         targets: list[int] = []
         ks: list[int] = []
@@ -318,6 +326,8 @@ class ModelRunner:
             k = seq.sampling.prompt_logprobs
             start = seq.num_computed_tokens
             end = min(start + n, seq.num_prompt_tokens - 1)  # the last row predicts no prompt
+            if k is not None and end >= seq.num_prompt_tokens - 1:
+                self.scoring.discard(sid)  # this step scores its last prompt position
             if k is not None and end > start:
                 rows.extend(range(offset, offset + end - start))
                 targets.extend(seq.token_ids[start + 1:end + 1])
