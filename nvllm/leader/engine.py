@@ -204,13 +204,16 @@ class LLMEngine:
     def _send(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         prompt_tokens = 0
+        grammars = []  # of the sequences the workers do not hold yet
         for seq, n in sched.scheduled:
-            if not seq.on_worker and seq.num_preemptions == 0 and seq.index == 0:
-                self.metrics.queue_time.observe(now - self.requests[seq.request_id].arrival_time)
+            if not seq.on_worker:
+                if seq.num_preemptions == 0 and seq.index == 0:
+                    self.metrics.queue_time.observe(
+                        now - self.requests[seq.request_id].arrival_time)
+                if seq.grammar is not None:
+                    grammars.append(seq.grammar)
             start = seq.num_computed_tokens - n
             prompt_tokens += max(0, min(start + n, seq.num_prompt_tokens) - start)
-        grammars = [seq.grammar for seq, _ in sched.scheduled
-                    if seq.grammar is not None and not seq.on_worker]
         if grammars:  # rank 0 gets the grammars it lacks before the plan that needs them
             load = self.worker_grammars.load_for(grammars, self.grammars.tokenizer_info,
                                                  self._live_grammar_keys)
