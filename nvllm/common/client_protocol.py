@@ -230,7 +230,7 @@ def encode(msg: Any) -> bytes:
 
 
 
-def _depth_exceeds(obj: Any, limit: int) -> bool:
+def depth_exceeds(obj: Any, limit: int) -> bool:
     """Whether containers nest deeper than `limit` (iterative: no recursion to exhaust)."""
     stack = [(obj, 1)]
     while stack:
@@ -252,7 +252,7 @@ def decode_client_frame(payload: bytes, limits: ClientLimits = DEFAULT_LIMITS) -
                                                f"({type(e).__name__})") from None
     if not isinstance(msg, dict):
         raise ClientProtocolError("bad_frame", "a message must be a msgpack map")
-    if _depth_exceeds(msg, MAX_DEPTH):
+    if depth_exceeds(msg, MAX_DEPTH):
         raise ClientProtocolError("bad_frame", f"a message nests at most {MAX_DEPTH} levels")
     rid = msg.get("id")
     if rid is not None:

@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from nvllm.common.client_protocol import depth_exceeds
 from nvllm.launch.openai.errors import ApiError
 
 if TYPE_CHECKING:
@@ -104,30 +105,23 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool | None = None  # vLLM bench's; usage comes at the end
 
 
-def _depth_ok(value: Any) -> bool:
-    """Whether `value` nests at most MAX_SCHEMA_DEPTH containers deep. Iterative."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > MAX_SCHEMA_DEPTH:
-                return False
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return True
+def _compact(schema: dict) -> str:
+    """A JSON schema as compact JSON text, within the depth and size limits (a ValueError
+    names the limit)."""
+    if depth_exceeds(schema, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError("the schema is not JSON") from None
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the schema is {len(text)} characters as JSON, more than the limit "
+                         f"of {MAX_CONSTRAINT_CHARS}")
+    return text
 
 
 def _schema_dict(schema: dict) -> dict:
-    """A JSON schema within the depth and size limits (a ValueError names the limit)."""
-    if not _depth_ok(schema):
-        raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
-    try:
-        n = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False,
-                           allow_nan=False))
-    except (TypeError, ValueError, RecursionError):
-        raise ValueError("the schema is not JSON") from None
-    if n > MAX_CONSTRAINT_CHARS:
-        raise ValueError(f"the schema is {n} characters as JSON, more than the limit of "
-                         f"{MAX_CONSTRAINT_CHARS}")
+    _compact(schema)
     return schema
 
 
@@ -144,8 +138,7 @@ def _schema_text(schema: dict | str) -> str:
             raise ValueError("the schema text is not valid JSON") from None
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be a JSON object")
-    _schema_dict(schema)
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return _compact(schema)
 
 
 SchemaDict = Annotated[dict[str, Any], AfterValidator(_schema_dict)]
