@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a session that is lent a GPU (see README "GPU checks"): kernel tests on
+# One command for a session that is lent a GPU (see docs/testing.md, "GPU checks"): kernel tests on
 # CUDA, the engine's CUDA exactness tests (CUDA graphs included), the CUDA IPC transport
 # self-test, the kernel benchmark and the engine throughput benchmark against HF; results
 # go to ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json, bench_gpu.json).

@@ -1,5 +1,6 @@
 """docs/architecture.md stays true: every ``file:function`` it names exists, and every
-package imports only what its table allows."""
+package imports only what its table allows; and every link in README.md and docs/ leads
+to a file of the repository and a heading that exist."""
 
 from __future__ import annotations
 
@@ -41,14 +42,64 @@ def test_every_named_function_exists():
     assert missing == []
 
 
-def test_no_document_links_outside_the_repository():
-    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
-        for target in re.findall(r"\]\(([^)#]+)", doc.read_text()):
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """Markdown without its code: fenced blocks and inline code spans."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link text kept, markup and punctuation dropped,
+    lower case, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+
+
+def anchors(doc: pathlib.Path) -> set[str]:
+    """Every anchor a document has: its headings' slugs (repeats numbered as GitHub
+    does) and explicit ``<a id=...>`` / ``name=...`` targets."""
+    text = FENCE.sub("", doc.read_text())
+    seen: dict[str, int] = {}
+    out = set(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", text))
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, re.M):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_slug_is_githubs():
+    assert slug("Remote access and authentication") == "remote-access-and-authentication"
+    assert slug("Engine settings (`LLM(...)` and `nvllm-launch`)") == \
+        "engine-settings-llm-and-nvllm-launch"
+    assert slug("Leader ⇄ workers (internal)") == "leader--workers-internal"
+    assert slug("See [the guide](x.md) now") == "see-the-guide-now"
+
+
+def test_every_document_link_resolves():
+    """README.md and every docs/ page: a relative link names a file inside the repository
+    that exists, and its #anchor (or a bare #anchor, in the same page) is a heading there."""
+    assert len(DOCS) > 5
+    bad = []
+    for doc in DOCS:
+        for target in LINK.findall(_prose(doc.read_text())):
             if target.startswith(("http://", "https://", "mailto:")):
                 continue
-            path = (doc.parent / target).resolve()
-            assert path.is_relative_to(ROOT), f"{doc.name} links outside: {target}"
-            assert path.exists(), f"{doc.name} links to a missing file: {target}"
+            where = f"{doc.relative_to(ROOT)} -> {target}"
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.is_relative_to(ROOT):
+                bad.append(f"{where}: outside the repository")
+            elif not path.exists():
+                bad.append(f"{where}: no such file")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                bad.append(f"{where}: no such heading")
+    assert bad == []
 
 
 def _nvllm_imports(path: pathlib.Path) -> set[str]:

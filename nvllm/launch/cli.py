@@ -103,10 +103,13 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               help="Largest client frame; ZMQ drops a bigger one and that connection.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
-@click.option("--max-tokens", default=32, type=int)
-@click.option("--temperature", default=0.0, type=float)
+@click.option("--max-tokens", default=32, type=int,
+              help="With --prompt or --demo: most tokens generated per prompt.")
+@click.option("--temperature", default=0.0, type=float,
+              help="With --prompt or --demo: sampling temperature (0: greedy).")
 @click.option("--log-level", default="INFO",
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+              help="Logging level of this process.")
 def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: float,
            host: str, port: int, http_port: int | None, http_host: str,
            served_model_name: str | None, api_key: str | None,

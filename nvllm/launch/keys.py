@@ -1,6 +1,6 @@
 """``nvllm-keys DIR``: create the CURVE key folder that authenticates clients of the
 engine's ZMQ endpoint and the workers of a multi-node group (layout in
-nvllm/common/zmq_utils.py; README "Remote access").
+nvllm/common/zmq_utils.py; docs/security.md, "Remote access").
 
 The server reads DIR (``nvllm-launch --curve-key-dir DIR``); a client needs DIR's
 ``server.key`` and a keypair whose public half is in the server's ``DIR/clients/``; a

@@ -627,7 +627,7 @@ def test_logprobs_equal_hf_and_text_offsets_add_up(server, tokenizer):
 # ---- every documented parameter reaches the leader's submit (a fake leader) ----------------
 
 
-# Every parameter README's "OpenAI-compatible HTTP" lists, set to a non-default value.
+# Every parameter docs/openai.md's "Routes and parameters" lists, set to a non-default value.
 COMMON = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 42, "n": 2,
           "presence_penalty": 0.25, "frequency_penalty": -0.5, "ignore_eos": True,
           "min_tokens": 2, "repetition_penalty": 1.2, "stop_token_ids": [7, 9],
