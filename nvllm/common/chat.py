@@ -76,7 +76,8 @@ def render_chat(tokenizer: Any, messages: Any, *, chat_template: str | None = No
     template = kwargs.pop("chat_template", None) or chat_template
     if template is not None and not isinstance(template, str):
         raise ChatError("chat_template", f"must be a string, got {type(template).__name__}")
-    if not template and not getattr(tokenizer, "chat_template", None):
+    if not template and hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        # (a tokenizer without the attribute answers for its template itself)
         raise ChatError("chat_template", "the tokenizer has no chat template: give one",
                         code="no_chat_template")
     if tools is not None:
