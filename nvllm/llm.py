@@ -1,4 +1,5 @@
-"""The offline Python API: ``LLM(model, ...).generate(prompts, params)``.
+"""The offline Python API: ``LLM(model, ...).generate(prompts, params)``, and
+``.chat(messages, params)`` for conversations through the model's chat template.
 
 The calling process is the leader (scheduler, block manager, tokenizer); the
 tensor-parallel workers are child processes that ``shutdown()`` (or leaving the
@@ -13,6 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from nvllm.common.chat import ChatError, encode_rendered, render_chat
 from nvllm.common.config import DistConfig, EngineConfig
 from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
@@ -24,6 +26,7 @@ from nvllm.leader.engine import LLMEngine
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]  # OpenAI-style messages: {"role", "content", ...}
 
 
 class LLM:
@@ -113,6 +116,50 @@ class LLM:
                     self.engine.abort_request(rid)
             raise
         return [results[rid] for rid in order]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate a reply to each conversation, as vLLM's ``LLM.chat``: `messages` is one
+        conversation (a list of ``{"role", "content", ...}`` dicts) or a list of them; one
+        RequestOutput per conversation, in order (``prompt`` is the rendered text).
+
+        Each conversation goes through the chat template exactly as
+        ``/v1/chat/completions`` renders it (nvllm/common/chat.py): the tokenizer's
+        template or `chat_template`; `chat_template_kwargs` as template variables
+        (``{"enable_thinking": False}``); `tools` (OpenAI function definitions) as the
+        template's ``tools``. ``add_generation_prompt`` opens the assistant's turn;
+        ``continue_final_message`` instead leaves the final message (the assistant's)
+        open for the model to continue, and needs ``add_generation_prompt=False``.
+        The rendered text is tokenized without adding special tokens (the template wrote
+        the ones it wants). A conversation or option the template cannot take raises
+        ValueError (``nvllm.common.chat.ChatError``, ``param`` naming the field; in a
+        batch ``messages.<conversation>.<message>...``) before any request starts;
+        sampling_params and the rest are as in ``generate``.
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this LLM was made with "
+                             "skip_tokenizer_init")
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(
+            messages[0], (list, tuple))
+        conversations = list(messages) if batch else [messages]
+        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, tools=tools,
+                       chat_template_kwargs=chat_template_kwargs)
+        texts: list[str] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                texts.append(render_chat(self.tokenizer, conversation, **options))
+            except ChatError as e:
+                raise (e.within(i) if batch else e) from None
+        prompts = [{"prompt_token_ids": encode_rendered(self.tokenizer, t)} for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text  # vLLM's: the rendered prompt
+        return outs
 
     def shutdown(self) -> None:
         """Stop the workers (also done when the LLM is garbage-collected or at exit)."""

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import ValidationError
 
+from nvllm.common.chat import RESERVED_TEMPLATE_KWARGS
 from nvllm.launch.openai.errors import ApiError, from_validation
 from nvllm.launch.openai.schemas import (
-    _RESERVED_TEMPLATE_KWARGS,
     ACCEPTED_IGNORED,
     UNSUPPORTED,
     BodyT,
@@ -80,7 +80,7 @@ def screen(raw: Any, model: type[BodyT], *, trust_template: bool = False,
     kwargs = out.get("chat_template_kwargs")
     if isinstance(kwargs, dict):
         for key in kwargs:
-            if key in _RESERVED_TEMPLATE_KWARGS:
+            if key in RESERVED_TEMPLATE_KWARGS:
                 raise ApiError(400, f"chat_template_kwargs cannot set {key}",
                                param=f"chat_template_kwargs.{key}", code="invalid_value")
     templates = [("chat_template", out.get("chat_template")),

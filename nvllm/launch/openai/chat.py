@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: the messages (and tools) go through the model's chat
-template here (from its tokenizer) and reach the leader as token ids; ``n`` completions,
+template here (from its tokenizer; the rendering is nvllm/common/chat.py's, shared with
+``LLM.chat``) and reach the leader as token ids; ``n`` completions,
 as one ``chat.completion`` or a stream of ``chat.completion.chunk`` objects, their text
 read for tool calls when the request has tools (tools.py). vLLM's ``prompt_logprobs``
 scores the rendered prompt: a top-level ``prompt_logprobs`` list in the reply (not
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from nvllm.common.chat import ChatError, encode_rendered, render_chat
 from nvllm.common.outputs import CompletionDelta
 from nvllm.launch.openai import fanout, structured, tools
 from nvllm.launch.openai.body import parse_body
@@ -29,58 +31,24 @@ from nvllm.launch.openai.tool_parsers import pick_parser
 router = APIRouter()
 
 
-def _messages(body: Any) -> list[dict]:
-    """The messages as the chat template takes them (text content parts joined)."""
-    messages = []
-    for j, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise ApiError(400, "only text content parts are supported",
-                               param=f"messages.{j}.content", code="unsupported")
-            content = "\n".join(part.text or "" for part in content)
-        msg = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_calls:
-            if m.role != "assistant":
-                raise ApiError(400, "only assistant messages have tool_calls",
-                               param=f"messages.{j}.tool_calls", code="invalid_value")
-            msg["tool_calls"] = tools.template_calls(m.tool_calls)
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        messages.append(msg)
-    return messages
-
-
-def _prompt_ids(tok: Any, body: ChatBody) -> list[int]:
-    """The chat template applied to the messages, as token ids. CPU-bound (and a template
-    from the request, when the operator trusts those, may run long): called in the
-    gateway's render pool, never on the event loop."""
-    # The template already holds the special tokens it wants: encode without adding
-    # more (a second BOS), and send ids so the leader does not tokenize it again.
-    return list(tok(render_text(tok, body), add_special_tokens=False)["input_ids"])
-
-
-def render_text(tok: Any, body: Any) -> str:
-    """The chat template applied to body's messages and tools (a ChatBody or the /tokenize
-    chat form: messages, add_generation_prompt, chat_template, chat_template_kwargs,
-    tools)."""
-    kwargs = dict(body.chat_template_kwargs or {})
-    template = kwargs.pop("chat_template", None) or body.chat_template
-    if not template and not getattr(tok, "chat_template", None):
-        raise ApiError(400, "the model's tokenizer has no chat template",
-                       param="messages", code="no_chat_template")
-    messages = _messages(body)
-    if getattr(body, "tools", None):
-        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+def render_ids(tok: Any, body: Any, add_special_tokens: bool = False) -> list[int]:
+    """body's conversation through the chat template, as prompt token ids: the shared
+    rendering (nvllm/common/chat.py, which LLM.chat calls too) of a ChatBody or the
+    /tokenize chat form (messages, add_generation_prompt, continue_final_message,
+    chat_template, chat_template_kwargs, tools), a 400 naming the field where it cannot
+    take them. CPU-bound (and a template from the request, when the operator trusts
+    those, may run long): called in the gateway's render pool, never on the event loop.
+    The template holds the special tokens it wants: none are added (no second BOS)."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tool_defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
-        return tok.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                       add_generation_prompt=body.add_generation_prompt,
-                                       **kwargs)
-    except Exception as e:
-        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages",
-                       code="chat_template_error") from e
+        text = render_chat(tok, messages, chat_template=body.chat_template,
+                           add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
+                           tools=tool_defs, chat_template_kwargs=body.chat_template_kwargs)
+        return encode_rendered(tok, text, add_special_tokens)
+    except ChatError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
 
 
 @router.post("/chat/completions")
@@ -98,7 +66,7 @@ async def chat_completions(request: Request) -> Response:
         body, ("tool_choice", tp.constraint) if tp.constraint else None)
     parser = pick_parser(state.cfg.tool_call_parser, await state.tokenizer()) \
         if tp.mode == "auto" else ""
-    prompt_ids = await state.render(_prompt_ids, await state.tokenizer(), body)
+    prompt_ids = await state.render(render_ids, await state.tokenizer(), body)
     limit = int((await state.info()).get("max_model_len") or 0)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(
         1, limit - len(prompt_ids))  # OpenAI's default: up to the context length

@@ -79,12 +79,8 @@ ACCEPTED_IGNORED = frozenset({
 # attribute abuse, not `{% for i in range(10**9) %}`): refused without the operator's
 # --trust-request-chat-template.
 CHAT_TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs.chat_template")
-# apply_chat_template's own arguments: never taken from chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "messages"})
-
+# apply_chat_template's own arguments, never taken from chat_template_kwargs:
+# nvllm/common/chat.py's RESERVED_TEMPLATE_KWARGS (body.py's screen refuses them first).
 Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -316,6 +312,7 @@ class ChatBody(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: leave the final (assistant) turn open
     echo: bool = False  # vLLM's (echo the last message): only false is supported
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None

@@ -1,9 +1,9 @@
 """``/tokenize`` and ``/detokenize`` with vLLM's request and response shapes.
 
 ``POST /tokenize`` takes either ``{"prompt": str, "add_special_tokens": true}`` or the
-chat form ``{"messages": [...], "add_generation_prompt": true, "add_special_tokens":
-false, "chat_template_kwargs": {...}, "tools": [...]}`` (rendered exactly as
-``/v1/chat/completions`` renders it), plus ``"return_token_strs"``; it answers
+chat form ``{"messages": [...], "add_generation_prompt": true, "continue_final_message":
+false, "add_special_tokens": false, "chat_template_kwargs": {...}, "tools": [...]}``
+(rendered exactly as ``/v1/chat/completions`` renders it), plus ``"return_token_strs"``; it answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``. ``POST /detokenize`` takes
 ``{"tokens": [int, ...]}`` and answers ``{"prompt": str}``. Both sit behind the API key
 like ``/v1``, read their body within the gateway's byte limit, and tokenize or render in
@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from nvllm.launch.openai.body import parse_plain_body
-from nvllm.launch.openai.chat import render_text
+from nvllm.launch.openai.chat import render_ids
 from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.schemas import (
     MAX_MESSAGES,
@@ -45,6 +45,7 @@ class TokenizeChatBody(_Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False  # the template holds the special tokens it wants
     chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
@@ -59,8 +60,9 @@ class DetokenizeBody(_Body):
 
 def _tokenize(tok: Any, body: TokenizeCompletionBody | TokenizeChatBody) -> list[int]:
     """CPU-bound: runs in the render pool."""
-    text = body.prompt if isinstance(body, TokenizeCompletionBody) else render_text(tok, body)
-    return list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"])
+    if isinstance(body, TokenizeChatBody):
+        return render_ids(tok, body, body.add_special_tokens)
+    return list(tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
 
 
 @router.post("/tokenize")

@@ -21,7 +21,6 @@ from nvllm.launch.openai.errors import ApiError
 from nvllm.launch.openai.schemas import (
     MAX_CONSTRAINT_CHARS,
     ChatBody,
-    MessageToolCall,
     NamedToolChoice,
 )
 from nvllm.launch.openai.tool_calls import CallMachine, Delta, NamedCall, RequiredCalls
@@ -140,18 +139,3 @@ def _is_json(text: str) -> bool:
         return True
     except (ValueError, RecursionError):
         return False
-
-
-def template_calls(calls: list[MessageToolCall]) -> list[dict[str, Any]]:
-    """An earlier turn's tool calls as chat templates take them: arguments as an object
-    where they are JSON of one (templates write them with tojson; vLLM does the same)."""
-    out = []
-    for c in calls:
-        try:
-            args = json.loads(c.function.arguments)
-        except (ValueError, RecursionError):
-            args = None
-        out.append({"id": c.id, "type": "function", "function": {
-            "name": c.function.name,
-            "arguments": args if isinstance(args, dict) else c.function.arguments}})
-    return out
