@@ -20,13 +20,6 @@ from nvllm.common.proc import stop_on_signals
 from nvllm.launch.openai.tool_parsers import PARSER_CHOICES
 from nvllm.launch.options import engine_options
 
-DEMO_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "A tensor-parallel inference engine splits every layer",
-    "List three prime numbers:",
-]
-
 
 def resolve_model(model: str) -> str:
     """A path, or ``tiny:NAME`` for a built-in tiny checkpoint (built on first use)."""
@@ -102,7 +95,8 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
 @click.option("--max-frame-bytes", default=64 << 20, type=int,
               help="Largest client frame; ZMQ drops a bigger one and that connection.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
-@click.option("--demo", is_flag=True, help="Generate for a few built-in prompts and exit.")
+@click.option("--demo", is_flag=True, help="Answer a few built-in chat questions (plain prompts "
+              "for a model without a chat template), streamed, then exit.")
 @click.option("--max-tokens", default=32, type=int,
               help="With --prompt or --demo: most tokens generated per prompt.")
 @click.option("--temperature", default=0.0, type=float,
@@ -148,6 +142,7 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
     from nvllm.common.config import EngineConfig
     from nvllm.launch import engine_builder
+    from nvllm.launch.demo import generate_and_report, run_demo
 
     set_process_title("nvllm-leader")
     if os.environ.get("NVLLM_PARENT_PID"):  # started by torchrun/srun's rank 0: die with it
@@ -162,9 +157,10 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {config.model} "
                    f"tp={config.tensor_parallel_size} device={config.device} "
                    f"dtype={config.dtype} workers={engine.executor.group.pids}")
-        prompts = list(prompts) or (DEMO_PROMPTS if demo else [])
         if prompts:
-            _generate(engine, prompts, max_tokens, temperature)
+            generate_and_report(engine, list(prompts), max_tokens, temperature)
+        elif demo:
+            run_demo(engine, max_tokens, temperature)
         else:
             _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
                    http_host if http_port is not None else None, http_port, api_key,
@@ -175,27 +171,6 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
                        "tool_call_parser": http_tool_call_parser})
     finally:
         engine.shutdown()
-
-
-def _generate(engine, prompts: list[str], max_tokens: int, temperature: float) -> None:
-    """Generate for `prompts` and print the texts and the throughput."""
-    from nvllm import LLM, SamplingParams
-
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    t1 = time.perf_counter()
-    outs = LLM.from_engine(engine).generate(prompts, params)
-    dt = time.perf_counter() - t1
-    for out in outs:
-        click.echo(f"\n--- {out.prompt!r}")
-        if out.error:
-            click.echo(f"[error] {out.error}")
-        else:
-            click.echo(f"{out.text!r}  ({len(out.token_ids)} tokens, {out.finish_reason})")
-    n_out = sum(len(o.token_ids) for o in outs)
-    n_in = sum(len(o.prompt_token_ids) for o in outs)
-    click.echo(f"\n{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in "
-               f"{dt:.2f}s: {n_out / dt:.1f} output tok/s, "
-               f"{(n_in + n_out) / dt:.1f} total tok/s")
 
 
 def _serve(engine, host: str, port: int, served_model_name: str | None,
