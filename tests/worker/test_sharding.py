@@ -148,6 +148,7 @@ def test_attention_shards_load_their_slices_and_o_proj_sums_to_the_whole(heads, 
         torch.testing.assert_close(qkv.weight[nq + h.num_kv_heads * d:], wv[kv_rows],
                                    rtol=0, atol=0)
         torch.testing.assert_close(qkv.bias[:nq], bq[q_rows], rtol=0, atol=0)
+        torch.testing.assert_close(qkv(x)[:, :nq], x @ wq[q_rows].T + bq[q_rows])
         o = RowParallelLinear(heads * d, hidden, False, tp, F32,
                               input_span=(q_rows.start, q_rows.stop))
         src = LazySrc(wo)
