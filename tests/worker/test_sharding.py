@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from dist_ranks import run_ranks, uneven_vocab
 
+from nvllm.worker.layers.embed_head import VocabParallelEmbedding
 from nvllm.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -199,6 +200,19 @@ def test_moe_tensor_parallel_experts_split_an_uneven_intermediate():
         return moe.partial(x)
 
     torch.testing.assert_close(sum(partial(r, 3) for r in range(3)), partial(0, 1))
+
+
+def test_vocab_shards_read_only_their_rows():
+    w = torch.randn(1031, 4, generator=gen(16))
+    got = []
+    for rank in range(3):
+        emb = VocabParallelEmbedding(1031, 4, TPContext(rank, 3), F32)
+        src = LazySrc(w)
+        emb.weight.weight_loader(emb.weight, src)
+        assert [r[0] for r in src.reads] == [slice(emb.vocab_start, emb.vocab_end)]
+        got.append(emb.weight.data)
+    assert [t.shape[0] for t in got] == [344, 344, 343]
+    assert torch.equal(torch.cat(got), w)
 
 
 def test_uneven_vocab_on_gloo(tmp_path):

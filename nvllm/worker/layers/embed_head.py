@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvllm.worker.layers.linear import linear
+from nvllm.worker.layers.linear import linear, load_slice
 from nvllm.worker.parallel import TPContext, shard_range
 from nvllm.worker.sharding import shard_sizes
 
@@ -27,9 +27,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
-        n = self.vocab_end - self.vocab_start
-        if n > 0:
-            param.data[:n].copy_(src[self.vocab_start:self.vocab_end])
+        if self.shard_size > 0:
+            load_slice(param, src, 0, self.vocab_start, self.vocab_end)
 
     def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's vocabulary shard (zeros elsewhere): all-reduce to finish."""

@@ -55,7 +55,10 @@ def pack_for_cpu(model: nn.Module) -> int:
     return n
 
 
-def _load(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0) -> None:
+def load_slice(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0
+               ) -> None:
+    """Copy src[..., start:end (along dim), ...] into param at dst_off along dim, indexing
+    the lazy source by a tuple of slices (only those bytes are read)."""
     index = [slice(None)] * len(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     index[dim] = slice(start, end)
     t = src[tuple(index)]
@@ -89,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
         start = self.output_start
-        _load(param, src, 0, start, start + self.output_size_per_partition)
+        load_slice(param, src, 0, start, start + self.output_size_per_partition)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self, self.bias)
@@ -111,7 +114,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, src, shard_id: int) -> None:
         start, end = self.spans[shard_id]
         offset = sum(e - s for s, e in self.spans[:shard_id])
-        _load(param, src, 0, start, end, offset)
+        load_slice(param, src, 0, start, end, offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -139,7 +142,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             start, size = self.kv_head_start * d, kv_size
             off = q_size if shard_id == "k" else q_size + kv_size
-        _load(param, src, 0, start, start + size, off)
+        load_slice(param, src, 0, start, start + size, off)
 
 
 class RowParallelLinear(nn.Module):
@@ -166,7 +169,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
         start = self.input_start
-        _load(param, src, 1, start, start + self.input_size_per_partition)
+        load_slice(param, src, 1, start, start + self.input_size_per_partition)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, before the all-reduce."""
