@@ -216,4 +216,4 @@ def test_vocab_shards_read_only_their_rows():
 
 
 def test_uneven_vocab_on_gloo(tmp_path):
-    assert run_ranks(uneven_vocab, 3, str(tmp_path)) == [True] * 3
+    assert run_ranks(uneven_vocab, 2, str(tmp_path)) == [True] * 2
