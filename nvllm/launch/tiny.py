@@ -134,6 +134,13 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
                 "norm_topk_prob": True},
     },
 }
+# SmolLM2-135M's shapes (random weights): 9 query / 3 KV heads, which tp=2 shards by KV
+# group (docs/benchmarks.md: against zero-padded heads, scripts/pad_heads.py).
+BENCH_PRESETS["smollm2-135m"] = {
+    "arch": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "tie_word_embeddings": True, "max_position_embeddings": 2048, "dtype": "bfloat16",
+}
 ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **BENCH_PRESETS}
 
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
