@@ -179,7 +179,7 @@ class EngineConfig:
               "overlaps the workers' (outputs are identical either way).")
     enable_expert_parallel: bool = _setting(
         False, "MoE models: each rank holds whole experts (contiguous ranges, uneven when "
-               "tensor_parallel_size does not divide their number) instead of a 1/tp slice "
+               "tensor_parallel_size does not divide their number) instead of a share "
                "of every expert; attention stays tensor-parallel. Ignored by dense models.")
     micro_batch_overlap: bool = _setting(
         True, "Tensor parallel: cut big steps into two micro-batches so one's all-reduce runs "
@@ -268,22 +268,16 @@ class EngineConfig:
                 self.dtype = "bfloat16"  # fp16 matmuls on CPU are slow and lossy
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
-        if info.num_attention_heads % tp:
+        # Any head count shards at any tp (by KV group, nvllm/worker/sharding.py), as long
+        # as every rank gets a query head.
+        heads, kv = info.num_attention_heads, info.num_key_value_heads
+        if kv < 1 or heads % kv:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv}")
+        if tp > heads:
             raise ValueError(
-                f"num_attention_heads={info.num_attention_heads} is not divisible by "
-                f"tensor_parallel_size={tp}"
-            )
-        kv = info.num_key_value_heads
-        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-            raise ValueError(
-                f"num_key_value_heads={kv} and tensor_parallel_size={tp}: one must divide "
-                "the other"
-            )
-        inter = info.expert_intermediate_size
-        if info.num_experts and not self.enable_expert_parallel and inter % tp:
-            raise ValueError(
-                f"the experts' intermediate size {inter} is not divisible by "
-                f"tensor_parallel_size={tp}: use enable_expert_parallel")
+                f"tensor_parallel_size={tp} is larger than num_attention_heads={heads}: "
+                "every rank needs at least one query head")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: automatic), got {self.cpu_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -77,6 +77,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-odd-vocab": {"arch": "qwen3", "head_dim": 32, "vocab_size": 1031},
     # One KV head: with TP=2 the KV head must be replicated instead of split.
     "llama-1kv": {"arch": "llama", "num_key_value_heads": 1},
+    # Head counts tp does not divide (sharded by KV group, nvllm/worker/sharding.py).
+    # SmolLM2-135M's 9 query / 3 KV heads: 6 + 3 query heads at tp=2; with an intermediate
+    # size (131) and a vocabulary (1025) no tp > 1 divides.
+    "llama-9h3kv": {"arch": "llama", "num_attention_heads": 9, "num_key_value_heads": 3,
+                    "hidden_size": 72, "intermediate_size": 131, "vocab_size": 1025},
+    # 14 / 2: at tp=3 KV head 0 on two ranks (4 + 3 query heads), KV head 1 on one (7).
+    "qwen3-14h2kv": {"arch": "qwen3", "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "hidden_size": 112, "head_dim": 8},
+    # 28 / 4 (Qwen2-7B's ratio) with q/k/v biases: at tp=3, 14 + 7 + 7 query heads.
+    "qwen2-28h4kv": {"arch": "qwen2", "num_attention_heads": 28, "num_key_value_heads": 4,
+                     "hidden_size": 112},
     "qwen3-bf16": {"arch": "qwen3", "head_dim": 32, "dtype": "bfloat16"},
     # ~100 KB shards -> several model-0000x-of-0000y.safetensors + index.json.
     "qwen3-sharded": {"arch": "qwen3", "head_dim": 32, "shard_size": "100KB"},
@@ -122,6 +133,13 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
         "moe": {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
                 "norm_topk_prob": True},
     },
+}
+# SmolLM2-135M's shapes (random weights): 9 query / 3 KV heads, which tp=2 shards by KV
+# group (docs/benchmarks.md: against zero-padded heads, scripts/pad_heads.py).
+BENCH_PRESETS["smollm2-135m"] = {
+    "arch": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "tie_word_embeddings": True, "max_position_embeddings": 2048, "dtype": "bfloat16",
 }
 ALL_PRESETS: dict[str, dict[str, Any]] = {**PRESETS, **BENCH_PRESETS}
 

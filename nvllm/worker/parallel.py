@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nvllm.worker.sharding import shard_span
+
 
 @dataclass(slots=True)
 class TPContext:
@@ -62,18 +64,29 @@ class TPContext:
             dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
         return x
 
-    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Concatenate every rank's x along the last dim on rank 0 (None elsewhere)."""
+    def gather_to_first(self, x: torch.Tensor, sizes: list[int] | None = None
+                        ) -> torch.Tensor | None:
+        """Concatenate every rank's x along the last dim on rank 0 (None elsewhere).
+
+        sizes: each rank's last dim when they differ (uneven shards, see
+        nvllm/worker/sharding.py): the collective needs equal tensors, so each rank pads
+        its x to the largest and rank 0 cuts the padding off again."""
         if self.world_size == 1:
             return x
+        width = max(sizes) if sizes else x.shape[-1]
+        if x.shape[-1] < width:
+            x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        if sizes and min(sizes) < width:
+            parts = [p[..., :n] for p, n in zip(parts, sizes)]
+        return torch.cat(parts, dim=-1)
 
 
-def shard_range(total: int, tp: TPContext) -> tuple[int, int]:
-    """[start, end) of this rank's equal share of `total` (must divide)."""
-    assert total % tp.world_size == 0, (total, tp.world_size)
-    size = total // tp.world_size
-    return tp.rank * size, (tp.rank + 1) * size
+def shard_range(total: int, tp: TPContext, granule: int = 1) -> tuple[int, int]:
+    """[start, end) of this rank's share of `total` (nvllm/worker/sharding.py:shard_sizes:
+    as even as granule allows, the first ranks taking the extra)."""
+    return shard_span(total, tp.world_size, tp.rank, granule)

@@ -45,16 +45,26 @@ def test_unsupported_architecture(qwen3):
         EngineConfig(str(qwen3), device="cpu").finalize()
 
 
-@pytest.mark.parametrize("tp,match", [(3, "num_attention_heads=4 is not divisible"),
+@pytest.mark.parametrize("tp,match", [(5, "tensor_parallel_size=5 is larger than "
+                                          "num_attention_heads=4"),
                                       (0, "tensor_parallel_size must be >= 1")])
-def test_tp_must_divide_heads(qwen3, tp, match):
+def test_tp_needs_a_query_head_per_rank(qwen3, tp, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(str(qwen3), device="cpu", tensor_parallel_size=tp).finalize()
 
 
-def test_kv_heads_and_tp_must_nest(qwen3):
-    edit_config(qwen3, num_attention_heads=6, num_key_value_heads=3)
-    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+@pytest.mark.parametrize("heads,kv,tp", [(4, 2, 3), (6, 3, 2), (9, 3, 2), (14, 2, 3),
+                                         (28, 4, 3), (4, 4, 4)])
+def test_any_head_count_at_any_tp_up_to_the_heads(qwen3, heads, kv, tp):
+    """tp need divide neither the query nor the KV heads (shards by KV group)."""
+    edit_config(qwen3, num_attention_heads=heads, num_key_value_heads=kv)
+    EngineConfig(str(qwen3), device="cpu", tensor_parallel_size=tp).finalize()
+
+
+def test_query_heads_must_be_a_multiple_of_kv_heads(qwen3):
+    edit_config(qwen3, num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not a multiple of "
+                                         "num_key_value_heads=4"):
         EngineConfig(str(qwen3), device="cpu", tensor_parallel_size=2).finalize()
 
 
@@ -126,17 +136,17 @@ def test_small_token_budget_caps_max_num_seqs(qwen3):
     assert c.max_num_seqs == 8
 
 
-def test_moe_facts_and_expert_split_needs_divisibility_or_expert_parallel(tiny, tmp_path):
+def test_moe_facts_and_any_expert_split(tiny, tmp_path):
     """transformers 5 writes Qwen3-MoE's expert count as num_local_experts; tensor-parallel
-    experts need tp to divide their intermediate size, expert parallelism does not."""
+    experts split their intermediate size unevenly when tp does not divide it, as expert
+    parallelism splits the experts."""
     dst = tmp_path / "moe"
     shutil.copytree(tiny("qwen3-moe"), dst)
     info = EngineConfig(str(dst), device="cpu").finalize().model_info
     assert (info.architecture, info.num_experts, info.expert_intermediate_size) == (
         "Qwen3MoeForCausalLM", 5, 48)
     edit_config(dst, moe_intermediate_size=50)
-    with pytest.raises(ValueError, match="enable_expert_parallel"):
-        EngineConfig(str(dst), device="cpu", tensor_parallel_size=4).finalize()
+    EngineConfig(str(dst), device="cpu", tensor_parallel_size=4).finalize()
     EngineConfig(str(dst), device="cpu", tensor_parallel_size=4,
                  enable_expert_parallel=True).finalize()
     assert EngineConfig(str(tiny("qwen3")), device="cpu").finalize().model_info.num_experts == 0

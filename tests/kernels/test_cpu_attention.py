@@ -285,7 +285,11 @@ def test_native_ops_build():
 # 128) and the generic loop (the other shapes).
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (2, 2, 64), (8, 1, 64), (4, 2, 128),
                                               (8, 1, 128), (4, 4, 32), (16, 1, 128),
-                                              (6, 2, 80)])
+                                              (6, 2, 80),
+                                              # uneven head shards (sharding.py): 9 / 3
+                                              # heads at tp=2 are 6 / 2 + 3 / 1; 14 / 2
+                                              # at tp=3 give groups 4, 3, 7
+                                              (6, 2, 64), (3, 1, 64), (7, 1, 64)])
 @pytest.mark.parametrize("window", [0, 20])
 def test_native_decode_kernel(dtype, heads, kv_heads, d, window):
     """The kernel alone: a subset of a step's rows, K/V taken from a strided view (as the

@@ -146,6 +146,7 @@ DECODE_CASES = [
     (4, 1, 80, 8, torch.float16, 5),  # odd head_dim, more splits than tiles: empty splits
     (6, 2, 96, 32, torch.bfloat16, None),  # odd head_dim, GQA 3, automatic splits
     (8, 2, 256, 16, torch.bfloat16, 2),  # head_dim 256 (smaller tiles)
+    (7, 1, 64, 16, torch.float32, 2),  # GQA 7: a rank's heads of 14 / 2 at tp=3
 ]
 
 
@@ -205,6 +206,7 @@ EXTEND_CASES = [
     (6, 2, 80, 16, torch.float16),  # odd head_dim, GQA 3 (tiles not a power of two)
     (4, 1, 96, 32, torch.bfloat16),  # odd head_dim, MQA
     (4, 2, 256, 16, torch.float32),  # head_dim 256 (smaller tiles)
+    (7, 1, 64, 16, torch.float32),  # GQA 7: a rank's heads of 14 / 2 at tp=3
 ]
 
 

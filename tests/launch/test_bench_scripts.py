@@ -39,3 +39,30 @@ def test_serve_vs_vllm_starts_nvllm_as_documented():
     assert cmd[0] == "nvllm-launch" and "--http-port" in cmd and "8123" in cmd
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
     assert cmd[cmd.index("--served-model-name") + 1] == serve_vs_vllm.NAME
+
+
+def _script(name: str):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
+def test_pad_heads_gives_the_same_model_with_more_heads(tiny, tmp_path):
+    """scripts/pad_heads.py: 9 / 3 heads padded for tp=2 are 12 / 4 and 28 / 4 (with q/k/v
+    biases) for tp=3 are 42 / 6; HF computes the same logits from the copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pad_heads = _script("pad_heads")
+    assert [pad_heads.padded_kv_heads(kv, tp) for kv, tp in
+            [(3, 2), (4, 3), (2, 3), (1, 4), (2, 4), (8, 8), (5, 1)]] == [4, 6, 3, 1, 2, 8, 5]
+    ids = torch.tensor([[1, 5, 9, 200, 3, 77, 1000, 42]])
+    for preset, tp, want in [("llama-9h3kv", 2, (12, 4)), ("qwen2-28h4kv", 3, (42, 6))]:
+        src, dst = tiny(preset), tmp_path / preset
+        assert pad_heads.pad_checkpoint(src, dst, tp) == want
+        with torch.no_grad():
+            a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+            b = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)(ids).logits
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)

@@ -97,3 +97,31 @@ def broadcast_tokens(rank: int, world: int) -> list[int]:
     tp = TPContext(rank, world, dist.group.WORLD)
     t = torch.tensor([11, 22, 33]) if rank == 0 else torch.full((3,), -rank)
     return tp.broadcast_from_first(t).tolist()
+
+
+def uneven_vocab(rank: int, world: int) -> bool:
+    """An LM head and embedding over a vocabulary no world divides (1031 rows): rank 0's
+    gathered logits and every rank's reduced embedding equal the unsharded ones."""
+    import torch
+    import torch.distributed as dist
+
+    from nvllm.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+    from nvllm.worker.parallel import TPContext
+
+    tp = TPContext(rank, world, dist.group.WORLD)
+    g = torch.Generator().manual_seed(7)
+    vocab, hidden = 1031, 8
+    w = torch.randn(vocab, hidden, generator=g)
+    h = torch.randn(3, hidden, generator=g)
+    ids = torch.tensor([0, 515, 516, 1030, 343, 344, 687, 688])
+    head = ParallelLMHead(vocab, hidden, tp, torch.float32)
+    head.weight.weight_loader(head.weight, w)
+    emb = VocabParallelEmbedding(vocab, hidden, tp, torch.float32)
+    emb.weight.weight_loader(emb.weight, w)
+    logits = head(h)
+    ok = torch.equal(emb(ids), w[ids])
+    if rank == 0:
+        ok = ok and logits.shape == (3, vocab) and torch.allclose(logits, h @ w.T)
+    else:
+        ok = ok and logits is None
+    return ok

@@ -83,12 +83,14 @@ def test_expert_partition_is_contiguous_uneven_and_complete(experts, world):
         assert ranges == [(0, 3), (3, 2)]
 
 
-def test_expert_shard_tp1_is_the_same_either_way_and_tp_needs_divisibility():
+def test_expert_shard_tp1_is_the_same_either_way_and_any_tp_splits_the_intermediate():
     one = TPContext(0, 1)
     assert ExpertShard.of(5, 48, one, True) == ExpertShard.of(5, 48, one, False)
     assert ExpertShard.of(5, 48, TPContext(1, 2), False) == ExpertShard(0, 5, 24, 24)
-    with pytest.raises(ValueError, match="enable_expert_parallel"):
-        ExpertShard.of(5, 50, TPContext(0, 4), False)
+    # 50 on 4 ranks: 13 + 13 + 12 + 12 (nvllm/worker/sharding.py:shard_sizes)
+    assert [ExpertShard.of(5, 50, TPContext(r, 4), False) for r in range(4)] == [
+        ExpertShard(0, 5, 0, 13), ExpertShard(0, 5, 13, 13), ExpertShard(0, 5, 26, 12),
+        ExpertShard(0, 5, 38, 12)]
 
 
 @pytest.fixture(scope="module")

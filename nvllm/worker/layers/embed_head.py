@@ -1,5 +1,6 @@
-"""Vocab-parallel embedding and LM head. The vocabulary is padded to a multiple of the
-tensor-parallel size; padded rows are zero and their logits are cut before sampling."""
+"""Vocab-parallel embedding and LM head. The vocabulary is cut by
+nvllm/worker/sharding.py:shard_sizes (1031 rows on 2 ranks: 516 + 515); the LM head's
+gather pads the smaller shards' logits to the largest and cuts them off again."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvllm.common.utils import cdiv
-from nvllm.worker.layers.linear import linear
-from nvllm.worker.parallel import TPContext
+from nvllm.worker.layers.linear import linear, load_slice
+from nvllm.worker.parallel import TPContext, shard_range
+from nvllm.worker.sharding import shard_sizes
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,17 +19,16 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.shard_size = cdiv(vocab_size, tp.world_size)
-        self.vocab_start = tp.rank * self.shard_size
-        self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
+        self.shard_sizes = shard_sizes(vocab_size, tp.world_size)
+        self.vocab_start, self.vocab_end = shard_range(vocab_size, tp)
+        self.shard_size = self.vocab_end - self.vocab_start
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
-        n = self.vocab_end - self.vocab_start
-        if n > 0:
-            param.data[:n].copy_(src[self.vocab_start:self.vocab_end])
+        if self.shard_size > 0:
+            load_slice(param, src, 0, self.vocab_start, self.vocab_end)
 
     def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's vocabulary shard (zeros elsewhere): all-reduce to finish."""
@@ -49,5 +49,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary float32 logits on rank 0, None on the other ranks."""
-        logits = self.tp.gather_to_first(linear(hidden_states, self))
+        logits = self.tp.gather_to_first(linear(hidden_states, self), self.shard_sizes)
         return None if logits is None else logits[:, :self.vocab_size].float()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvllm.worker.parallel import TPContext, shard_range
+from nvllm.worker.sharding import head_partition
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ def pack_for_cpu(model: nn.Module) -> int:
     return n
 
 
-def _load(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0) -> None:
+def load_slice(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0
+               ) -> None:
+    """Copy src[..., start:end (along dim), ...] into param at dst_off along dim, indexing
+    the lazy source by a tuple of slices (only those bytes are read)."""
     index = [slice(None)] * len(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     index[dim] = slice(start, end)
     t = src[tuple(index)]
@@ -62,85 +66,97 @@ def _load(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows; the output stays sharded."""
+    """y = x W^T + b with W split by output rows; the output stays sharded.
+
+    The rows are cut by nvllm/worker/sharding.py:shard_sizes (in units of `granule`), so
+    tp need not divide output_size."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, granule: int = 1) -> None:
         super().__init__()
-        assert output_size % tp.world_size == 0
         self.tp = tp
-        self.output_size_per_partition = output_size // tp.world_size
-        self.weight = nn.Parameter(
-            torch.empty(self.output_size_per_partition, input_size, dtype=dtype),
-            requires_grad=False)
+        self.output_start, end = shard_range(output_size, tp, granule)
+        self._make_params(input_size, end - self.output_start, bias, dtype)
+
+    def _make_params(self, input_size: int, local_out: int, bias: bool,
+                     dtype: torch.dtype) -> None:
+        self.output_size_per_partition = local_out
+        self.weight = nn.Parameter(torch.empty(local_out, input_size, dtype=dtype),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.packed: torch.Tensor | None = None  # see pack_for_cpu
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=dtype),
-                                     requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
-        start, end = shard_range(param.shape[0] * self.tp.world_size, self.tp)
-        _load(param, src, 0, start, end)
+        start = self.output_start
+        load_slice(param, src, 0, start, start + self.output_size_per_partition)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs fused into one matmul (gate_proj + up_proj)."""
+    """Several column-parallel outputs fused into one matmul (gate_proj + up_proj), each
+    cut by the same rule as a RowParallelLinear of its size (so down_proj's input slice
+    matches)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, granule: int = 1) -> None:
+        nn.Module.__init__(self)
+        self.tp = tp
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp, dtype)
+        self.spans = [shard_range(n, tp, granule) for n in output_sizes]
+        self._make_params(input_size, sum(e - s for s, e in self.spans), bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, src, shard_id: int) -> None:
-        tp = self.tp.world_size
-        size = self.output_sizes[shard_id] // tp
-        offset = sum(self.output_sizes[:shard_id]) // tp
-        start = self.tp.rank * size
-        _load(param, src, 0, start, start + size, offset)
+        start, end = self.spans[shard_id]
+        offset = sum(e - s for s, e in self.spans[:shard_id])
+        load_slice(param, src, 0, start, end, offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection. With fewer KV heads than ranks, KV heads are replicated:
-    rank r serves KV head r // (tp // num_kv_heads)."""
+    """Fused q/k/v projection of this rank's heads, cut by KV group
+    (nvllm/worker/sharding.py:head_partition): whole KV heads and the query heads that
+    read them, or with fewer KV heads than ranks a replica of one KV head and a share of
+    its query heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, tp: TPContext, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.tp = tp
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp.world_size
-        self.num_kv_heads = max(1, num_kv_heads // tp.world_size)
-        if num_kv_heads >= tp.world_size:
-            self.kv_head_start = tp.rank * self.num_kv_heads
-        else:
-            self.kv_head_start = tp.rank // (tp.world_size // num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.world_size
-        super().__init__(hidden_size, out, bias, tp, dtype)
+        self.heads = h = head_partition(num_heads, num_kv_heads, tp.world_size)[tp.rank]
+        self.num_heads, self.num_kv_heads = h.num_q_heads, h.num_kv_heads
+        self.q_head_start, self.kv_head_start = h.q_head_start, h.kv_head_start
+        self._make_params(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim,
+                          bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, src, shard_id: str) -> None:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            start, size, off = self.tp.rank * q_size, q_size, 0
+            start, size, off = self.q_head_start * d, q_size, 0
         else:
             start, size = self.kv_head_start * d, kv_size
             off = q_size if shard_id == "k" else q_size + kv_size
-        _load(param, src, 0, start, start + size, off)
+        load_slice(param, src, 0, start, start + size, off)
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns."""
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns: by default
+    cut by shard_sizes (granule), or the given [start, end) (o_proj: this rank's query
+    heads)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, granule: int = 1,
+                 input_span: tuple[int, int] | None = None) -> None:
         super().__init__()
-        assert input_size % tp.world_size == 0
         self.tp = tp
-        self.input_size_per_partition = input_size // tp.world_size
+        self.input_start, end = input_span or shard_range(input_size, tp, granule)
+        self.input_size_per_partition = end - self.input_start
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_partition, dtype=dtype),
             requires_grad=False)
@@ -152,8 +168,8 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = lambda p, src, shard_id=None: p.data.copy_(src[:])
 
     def weight_loader(self, param: nn.Parameter, src, shard_id=None) -> None:
-        size = self.input_size_per_partition
-        _load(param, src, 1, self.tp.rank * size, (self.tp.rank + 1) * size)
+        start = self.input_start
+        load_slice(param, src, 1, start, start + self.input_size_per_partition)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, before the all-reduce."""

@@ -1,7 +1,8 @@
 """A sparse mixture-of-experts feed-forward, sharded one of two ways over the TP ranks.
 
-* Tensor-parallel experts (the default): every rank holds every expert, a 1/tp slice of
-  its intermediate dim, exactly as the dense MLP is split.
+* Tensor-parallel experts (the default): every rank holds every expert, its share of
+  the intermediate dim (shard_range: uneven when tp does not divide it), exactly as the
+  dense MLP is split.
 * Expert parallelism (``expert_parallel``): every rank holds whole experts, a contiguous
   range (uneven when tp does not divide the count).
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvllm.kernels import ops
-from nvllm.worker.parallel import TPContext
+from nvllm.worker.parallel import TPContext, shard_range
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
@@ -37,10 +38,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 def expert_range(num_experts: int, tp: TPContext) -> tuple[int, int]:
-    """(first expert, count) of this rank's contiguous share; the first num_experts % tp
-    ranks take one more (5 experts on 2 ranks: 3 and 2), ranks past the count none."""
-    base, extra = divmod(num_experts, tp.world_size)
-    return tp.rank * base + min(tp.rank, extra), base + (tp.rank < extra)
+    """(first expert, count) of this rank's contiguous share (shard_range's rule: the first
+    num_experts % tp ranks take one more; 5 experts on 2 ranks: 3 and 2), ranks past the
+    count none."""
+    start, end = shard_range(num_experts, tp)
+    return start, end - start
 
 
 @dataclass(slots=True)
@@ -58,12 +60,8 @@ class ExpertShard:
            expert_parallel: bool) -> ExpertShard:
         if expert_parallel:
             return cls(*expert_range(num_experts, tp), 0, intermediate)
-        if intermediate % tp.world_size:
-            raise ValueError(
-                f"the experts' intermediate size {intermediate} is not divisible by "
-                f"tensor_parallel_size={tp.world_size}: use enable_expert_parallel")
-        size = intermediate // tp.world_size
-        return cls(0, num_experts, tp.rank * size, size)
+        start, end = shard_range(intermediate, tp)  # uneven when tp does not divide it
+        return cls(0, num_experts, start, end - start)
 
 
 def _shape(src) -> tuple[int, ...]:

@@ -42,8 +42,10 @@ class DecoderAttention(nn.Module):
                                           qkv_bias, tp, dtype)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size,
-                                        o_bias, tp, dtype)
+        # o_proj reads this rank's query heads' columns: the same uneven cut as qkv_proj.
+        q0 = self.qkv_proj.q_head_start * self.head_dim
+        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size, o_bias, tp,
+                                        dtype, input_span=(q0, q0 + self.num_heads * self.head_dim))
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, backend, window)
