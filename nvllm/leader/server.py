@@ -259,10 +259,9 @@ class EngineServer:
         """Process and admit a submit (its prompt as text, or as `token_ids`; its compiled
         grammar, done); an error is answered here."""
         try:
-            self.engine.add_request(self.engine.input_processor.process(
-                msg.prompt if token_ids is None else None, msg.params, request_id=internal,
-                prompt_token_ids=token_ids, priority=msg.priority, ttl_ms=msg.ttl_ms),
-                None if grammar is None else grammar.result())
+            self.engine.submit(msg.prompt if token_ids is None else None, msg.params,
+                               prompt_token_ids=token_ids, request_id=internal,
+                               priority=msg.priority, ttl_ms=msg.ttl_ms, grammar=grammar)
             return True
         except Overloaded as e:
             self._error(client, msg.id, "overloaded", str(e))
@@ -366,7 +365,7 @@ class EngineServer:
             self._error(owner.client, owner.client_rid, "engine_unavailable", self.dead)
         self._owners.clear()
         self._by_client.clear()
-        self.engine.requests.clear()
+        # The engine ended its requests itself before raising (LLMEngine._fail_all).
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -419,8 +418,7 @@ class EngineServer:
             if owner is not None:
                 self._error(owner.client, msg.id, "engine_unavailable",
                             "the engine is shutting down")
-        for rid in list(self.engine.requests):
-            self._emit(self.engine.abort_request(rid))
+        self._emit(self.engine.abort_all())
         self._drain(0)
         deadline = time.monotonic() + FLUSH_ON_CLOSE_S  # final messages get out, boundedly
         while self._outbox and time.monotonic() < deadline:
