@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--page-size", type=int, required=True,
-                   help="KV block size in tokens (the engine's block_size, default 16)")
+                   help="KV block size in tokens: the engine's block_size (its default: 16)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled",
