@@ -89,9 +89,8 @@ class LLM:
             with interrupt:
                 for (text, ids), params in zip(split, params_list):
                     try:
-                        req = self.engine.input_processor.process(text, params,
-                                                                  prompt_token_ids=ids)
-                        order.append(self.engine.add_request(req).request_id)
+                        req = self.engine.submit(text, params, prompt_token_ids=ids)
+                        order.append(req.request_id)
                     except RequestRejected as e:
                         rid = f"rejected-{len(order)}"
                         order.append(rid)

@@ -125,7 +125,7 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, __file__, "--worker", plan_ep, ack_ep])
     state = make_state()
     rows = []
-    w = ArrayWriter("shm", capacity_bytes=16 << 20, timeout_s=0.0)
+    w = ArrayWriter(capacity_bytes=16 << 20, timeout_s=0.0)
     try:
         for payload in PAYLOADS:
             n = max(20, args.steps // 4) if payload == "prefill" else args.steps

@@ -18,7 +18,7 @@ ALLOWED = {
     "common": set(),
     "leader": {"common"},
     "worker": {"common", "kernels"},
-    "kernels": {"common"},
+    "kernels": set(),  # a leaf: the kernels take shapes and tensors, never configs
 }
 
 

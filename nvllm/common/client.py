@@ -59,14 +59,14 @@ def _raise_for(msg: cp.Error) -> None:
 
 
 def _submit_msg(rid: str, prompt: str | list[int], params: SamplingParams | dict | None,
-                priority: int, ttl_ms: int | None, stream: bool) -> bytes:
+                priority: int, ttl_ms: int | None) -> bytes:
     """The submit frame. A dict of params travels as given (the leader validates it and
     names any bad field); a SamplingParams as its fields."""
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     if isinstance(params, SamplingParams) or params is None:
-        return cp.encode(cp.Submit(rid, text, ids, params or SamplingParams(), priority, ttl_ms,
-                                   stream))
-    msg = cp.to_map(cp.Submit(rid, text, ids, SamplingParams(), priority, ttl_ms, stream))
+        return cp.encode(cp.Submit(rid, text, ids, params or SamplingParams(), priority,
+                                   ttl_ms))
+    msg = cp.to_map(cp.Submit(rid, text, ids, SamplingParams(), priority, ttl_ms))
     msg["params"] = dict(params)
     return msgpack.packb(msg, use_bin_type=True)
 
@@ -209,7 +209,7 @@ class Client:
                request_id: str | None = None, priority: int = 0,
                ttl_ms: int | None = None) -> Iterator[StreamDelta]:
         rid = request_id or self._prefix + str(next(self._ids))
-        self._send(_submit_msg(rid, prompt, params, priority, ttl_ms, stream=True))
+        self._send(_submit_msg(rid, prompt, params, priority, ttl_ms))
         remaining = _n_of(params)
         try:
             while remaining:
@@ -384,7 +384,7 @@ class AsyncClient:
         self._queues[rid] = queue
         remaining = _n_of(params)
         try:
-            await self._send(_submit_msg(rid, prompt, params, priority, ttl_ms, stream=True))
+            await self._send(_submit_msg(rid, prompt, params, priority, ttl_ms))
             while remaining:
                 msg = await self._next(queue)
                 if isinstance(msg, cp.Error):

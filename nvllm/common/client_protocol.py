@@ -96,7 +96,6 @@ class Submit:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first; ties first come, first served
     ttl_ms: float | None = None  # the request ends with "timeout" this long after arrival
-    stream: bool = True  # False: one output per completion, holding everything
     OP: ClassVar[str] = "submit"
 
 
@@ -313,9 +312,9 @@ def _decode_submit(msg: dict, rid: RequestId | None, limits: ClientLimits) -> Su
         if not all(is_int(t) and 0 <= t <= INT64_MAX for t in ids):
             raise ClientProtocolError("rejected", "a prompt token id is outside the "
                                       "vocabulary (token ids are integers from 0)", rid)
-    stream = msg.get("stream", True)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a bool")
+    if msg.get("stream", True) is not True:  # the non-streaming mode was removed
+        raise bad("'stream' must be true or absent: every request streams its outputs "
+                  "(collect them on the client)")
     priority = msg.get("priority") or 0
     if not is_int(priority) or not -INT64_MAX - 1 <= priority <= INT64_MAX:
         raise bad("'priority' must be an integer in int64")
@@ -323,7 +322,7 @@ def _decode_submit(msg: dict, rid: RequestId | None, limits: ClientLimits) -> Su
     if ttl_ms is not None and (not isinstance(ttl_ms, (int, float)) or isinstance(ttl_ms, bool)
                                or not 0 < ttl_ms < math.inf):
         raise bad("'ttl_ms' must be a positive number or null")
-    return Submit(rid, prompt, ids, params, priority, ttl_ms, stream)
+    return Submit(rid, prompt, ids, params, priority, ttl_ms)
 
 
 def _check_param_sizes(raw: dict, limits: ClientLimits, bad: Any) -> None:

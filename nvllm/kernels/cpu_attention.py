@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nvllm.common.utils import cdiv
 from nvllm.kernels import cpu_ops, reference
-from nvllm.kernels.metadata import AttentionMetadata
+from nvllm.kernels.metadata import AttentionMetadata, cdiv
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,12 @@ if TYPE_CHECKING:
     from nvllm.kernels.cpu_attention import StepViews
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints (how many blocks of b hold a tokens). The
+    kernels' own copy of nvllm.common.utils.cdiv: nvllm.kernels imports only itself."""
+    return -(-a // b)
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K

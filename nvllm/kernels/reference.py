@@ -11,8 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nvllm.common.utils import cdiv
-from nvllm.kernels.metadata import AttentionMetadata
+from nvllm.kernels.metadata import AttentionMetadata, cdiv
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of every Triton kernel the engine launches, for a GPU that is
-not there (``python -m nvllm.kernels.triton_aot``; run by tests/kernels/test_triton_compile.py).
+not there (``python -m nvllm.kernels.triton_aot --page-size 16``; run by
+tests/kernels/test_triton_compile.py, which passes the engine's default block size).
 
 The launches are not described by hand: ``record_launches`` calls the real launch wrappers of
 ``triton_attention`` and ``triton_layer_ops`` (``store_kvcache``, ``decode_attention``, ...) on
@@ -231,15 +232,13 @@ def _config_str(launch: Launch) -> str:
                     if any(k.startswith(p) for p in keep))
 
 
-def run_all(targets=tuple(TARGETS), dtypes=DTYPES, shapes=MODEL_SHAPES,
-            page_size: int | None = None) -> list[dict]:
-    """Compile every distinct launch for every target; one row per (launch, target)."""
+def run_all(page_size: int, targets=tuple(TARGETS), dtypes=DTYPES,
+            shapes=MODEL_SHAPES) -> list[dict]:
+    """Compile every distinct launch for every target; one row per (launch, target).
+    ``page_size`` is the KV block size (tokens per page) the engine runs with: the caller
+    passes it (kernels import nothing of the engine's config)."""
     from triton.backends.compiler import GPUTarget
 
-    from nvllm.common.config import EngineConfig
-
-    if page_size is None:  # the engine's default KV block size
-        page_size = EngineConfig.__dataclass_fields__["block_size"].default
     rows: list[dict] = []
     seen: dict[tuple, dict] = {}
     for tname in targets:
@@ -277,12 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--page-size", type=int, required=True,
+                   help="KV block size in tokens: the engine's block_size (its default: 16)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled",
               file=sys.stderr)
         return 2
-    rows = run_all(tuple(args.targets), tuple(args.dtypes))
+    rows = run_all(args.page_size, tuple(args.targets), tuple(args.dtypes))
     if args.json:
         print(json.dumps(rows))
     else:

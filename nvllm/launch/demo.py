@@ -54,8 +54,7 @@ def run_demo(engine: LLMEngine, max_tokens: int, temperature: float) -> None:
 
 def _stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> None:
     """Generate for one prompt alone, echoing each delta's text as it arrives."""
-    req = engine.add_request(engine.input_processor.process(None, params,
-                                                            prompt_token_ids=prompt_ids))
+    req = engine.submit(None, params, prompt_token_ids=prompt_ids)
     reason = None
     while engine.has_unfinished_requests():
         for d in engine.step().deltas:

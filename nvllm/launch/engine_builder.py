@@ -34,7 +34,7 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEng
     plan_writer = None
     if config.plan_shm and not dist.uses_store:  # every rank is local
         try:
-            plan_writer = ArrayWriter("shm", capacity_bytes=config.plan_shm_mib << 20,
+            plan_writer = ArrayWriter(capacity_bytes=config.plan_shm_mib << 20,
                                       timeout_s=0.0)
         except TransportError as e:
             logger.warning("plans travel as lists: %s", e)

@@ -8,10 +8,12 @@ A step reads top to bottom:
     -> OutputProcessor.process (detokenize, stop strings, deltas, RequestOutputs)
     -> Scheduler.finish for the sequences a stop string ended
 
-Requests come in through ``InputProcessor.process`` (tokenize, check limits, build the
-request) and ``add_request`` (admit it). With async scheduling the newest plan stays in
-flight while its predecessor's result is applied, so the leader's work overlaps the
-workers'; synchronously the result taken is the plan's own.
+Requests come in through ``submit`` (``InputProcessor.process``: tokenize, check limits,
+build the request; then admit it) and leave through ``abort_request`` / ``abort_all`` or
+their final step; the engine alone owns its dicts (``requests`` is a read-only view).
+With async scheduling the newest plan stays in flight while its predecessor's result is
+applied, so the leader's work overlaps the workers'; synchronously the result taken is the
+plan's own.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import collections
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
+from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.structured_outputs import StructuredOutputsParams
 from nvllm.leader.executor import Executor
 from nvllm.leader.grammar import CompiledGrammar, GrammarService, WorkerGrammars
@@ -86,6 +90,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, tokenizer, self.capacity_tokens)
         self.plan_builder = PlanBuilder()
         self.output_processor = OutputProcessor(tokenizer, self.metrics)
+        # Live requests by id: the output processor's dict, which only the engine changes.
+        self._requests = self.output_processor.requests
         # Structured output: compiled off the step loop (a child process, started on the
         # first constrained request), sent once per grammar to rank 0.
         self.grammars = None if tokenizer is None else GrammarService(
@@ -104,9 +110,10 @@ class LLMEngine:
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
 
     @property
-    def requests(self) -> dict[str, Request]:
-        """Live requests by id (finished ones leave with their RequestOutput)."""
-        return self.output_processor.requests
+    def requests(self) -> Mapping[str, Request]:
+        """Live requests by id (finished ones leave with their RequestOutput), read-only:
+        requests enter through ``submit`` and leave through the engine."""
+        return MappingProxyType(self._requests)
 
     @property
     def workers(self) -> Any:
@@ -115,16 +122,34 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(self, req: Request, grammar: CompiledGrammar | None = None) -> Request:
-        """Admit a request built by ``input_processor.process``; raises Overloaded past
-        max_queued_requests and RequestRejected for an id already in use. A constrained
-        request brings its compiled `grammar` (``grammar_future``); without one it is
-        compiled here, blocking (the offline API), and GrammarError is its refusal."""
+    def submit(self, prompt: str | list[int] | None = None,
+               params: SamplingParams | None = None, *,
+               prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+               priority: int = 0, ttl_ms: float | None = None,
+               grammar: CompiledGrammar | Future | None = None) -> Request:
+        """Process a prompt (text, or token ids as `prompt` or `prompt_token_ids`) into a
+        request and admit it; returns the admitted Request.
+
+        Raises RequestRejected for a prompt or parameters the engine cannot serve (and for
+        a `request_id` already in use), Overloaded past max_queued_requests. A constrained
+        request brings its compiled `grammar` (``grammar_future``, or its result; a future
+        is waited on after the prompt is checked); without one it is compiled here,
+        blocking (the offline API), and GrammarError is its refusal."""
+        req = self.input_processor.process(prompt, params, request_id=request_id,
+                                           prompt_token_ids=prompt_token_ids,
+                                           priority=priority, ttl_ms=ttl_ms)
+        if isinstance(grammar, Future):
+            grammar = grammar.result()
+        return self._admit(req, grammar)
+
+    def _admit(self, req: Request, grammar: CompiledGrammar | None) -> Request:
+        """Admit a processed request: the queue limit, a unique id, its grammar, then the
+        output processor, the scheduler's waiting queue and the TTL heap."""
         limit = self.config.max_queued_requests
         if limit is not None and self.scheduler.num_waiting_requests >= limit:
             raise Overloaded(f"overloaded: {self.scheduler.num_waiting_requests} requests are "
                              f"already waiting (max_queued_requests={limit}); retry later")
-        if req.request_id in self.requests:
+        if req.request_id in self._requests:
             raise RequestRejected("this request id is already in use")
         if req.params.structured_outputs is not None:
             grammar = grammar or self.grammar_future(req.params.structured_outputs).result()
@@ -146,18 +171,26 @@ class LLMEngine:
         return self.grammars.get(spec)
 
     def _live_grammar_keys(self) -> set[str]:
-        return {s.grammar.key for req in self.requests.values() for s in req.seqs
+        return {s.grammar.key for req in self._requests.values() for s in req.seqs
                 if s.grammar is not None and not s.is_finished}
 
     def abort_request(self, request_id: str, reason: str = "abort") -> EngineOutput:
         """End a request now (its KV blocks are freed); unknown ids are ignored."""
-        req = self.requests.get(request_id)
+        req = self._requests.get(request_id)
         if req is None:
             return EngineOutput()
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
         return self.output_processor.abort(req, reason)
+
+    def abort_all(self, reason: str = "abort") -> EngineOutput:
+        """End every live request now (as ``abort_request`` each, in admission order);
+        returns their final deltas and RequestOutputs."""
+        out = EngineOutput()
+        for rid in list(self._requests):
+            out.extend(self.abort_request(rid, reason))
+        return out
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, a plan still in flight whose result must be taken, or
@@ -209,7 +242,7 @@ class LLMEngine:
             if not seq.on_worker:
                 if seq.num_preemptions == 0 and seq.index == 0:
                     self.metrics.queue_time.observe(
-                        now - self.requests[seq.request_id].arrival_time)
+                        now - self._requests[seq.request_id].arrival_time)
                 if seq.grammar is not None:
                     grammars.append(seq.grammar)
             start = seq.num_computed_tokens - n
@@ -260,7 +293,7 @@ class LLMEngine:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
-            req = self.requests.get(rid)  # None: finished (or its id reused) already
+            req = self._requests.get(rid)  # None: finished (or its id reused) already
             if req is not None and req.deadline is not None and req.deadline <= now:
                 out.extend(self.abort_request(rid, "timeout"))
         return out
@@ -305,7 +338,7 @@ class LLMEngine:
             return False
         self.worker_grammars.reset()  # the new rank 0 holds none
         suspects = []
-        for req in self.requests.values():
+        for req in self._requests.values():
             for seq in req.seqs:
                 if not seq.is_finished and (seq.on_worker or seq.num_pending):
                     seq.deaths_in_flight += 1
@@ -321,16 +354,16 @@ class LLMEngine:
                          MAX_DEATHS_IN_FLIGHT)
             out.extend(self.abort_request(rid, "error"))
         logger.warning("worker group restarted; %d request(s) requeued for recompute",
-                       len(self.requests))
+                       len(self._requests))
         return True
 
     def _fail_all(self) -> None:
         """The workers are gone: end every request with an error, free every block."""
-        for req in self.requests.values():
+        for req in self._requests.values():
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "error")
-        self.requests.clear()
+        self._requests.clear()
         self._deadlines.clear()
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -26,7 +26,6 @@ import zmq
 from nvllm.common import client_protocol as cp
 from nvllm.common import trace
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
-from nvllm.common.outputs import CompletionAccumulator
 from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
 from nvllm.leader.engine import LLMEngine
 from nvllm.leader.grammar import GrammarError
@@ -51,11 +50,8 @@ _LOG_PER_S = 10
 class _Owner:
     client: bytes
     client_rid: Any
-    stream: bool
     remaining: int  # completions that have not sent their final message yet
     aborted: bool = False  # while its prompt is still being tokenized
-    # Non-streaming requests: each completion's deltas, summed until it finishes.
-    pending: dict[int, CompletionAccumulator] = field(default_factory=dict)
 
 
 class EngineServer:
@@ -251,7 +247,7 @@ class EngineServer:
             self._tokenizing[internal] = (msg, tokens, grammar)
         elif not self._admit(client, msg, internal, msg.prompt_token_ids, grammar):
             return None
-        self._owners[internal] = _Owner(client, rid, msg.stream, msg.params.n)
+        self._owners[internal] = _Owner(client, rid, msg.params.n)
         self._by_client[client][rid] = internal
 
     def _admit(self, client: bytes, msg: cp.Submit, internal: str,
@@ -259,10 +255,9 @@ class EngineServer:
         """Process and admit a submit (its prompt as text, or as `token_ids`; its compiled
         grammar, done); an error is answered here."""
         try:
-            self.engine.add_request(self.engine.input_processor.process(
-                msg.prompt if token_ids is None else None, msg.params, request_id=internal,
-                prompt_token_ids=token_ids, priority=msg.priority, ttl_ms=msg.ttl_ms),
-                None if grammar is None else grammar.result())
+            self.engine.submit(msg.prompt if token_ids is None else None, msg.params,
+                               prompt_token_ids=token_ids, request_id=internal,
+                               priority=msg.priority, ttl_ms=msg.ttl_ms, grammar=grammar)
             return True
         except Overloaded as e:
             self._error(client, msg.id, "overloaded", str(e))
@@ -312,22 +307,12 @@ class EngineServer:
     # ---- outputs -----------------------------------------------------------------------
 
     def _emit(self, out: EngineOutput) -> None:
-        """Send `out`'s deltas to their clients (streams: each as it comes; otherwise
-        each completion whole, once it finishes)."""
+        """Send `out`'s deltas to their clients, each as it comes."""
         for k, d in enumerate(out.deltas):
             owner = self._owners.get(d.request_id)
             if owner is None:
                 continue
-            if owner.stream:
-                self._send(owner.client, cp.Output.of(d, owner.client_rid))
-            else:
-                acc = owner.pending.setdefault(d.index, CompletionAccumulator(d.index))
-                acc.add(d)
-                if not acc.finished:
-                    continue
-                del owner.pending[d.index]
-                self._send(owner.client, cp.Output.of(acc.to_delta(d.request_id),
-                                                      owner.client_rid))
+            self._send(owner.client, cp.Output.of(d, owner.client_rid))
             if self._trace is not None:
                 self._trace.message("out_sent", owner.client_rid, d.index,
                                     d.finish_reason is not None, step=out.step_of(k))
@@ -366,7 +351,7 @@ class EngineServer:
             self._error(owner.client, owner.client_rid, "engine_unavailable", self.dead)
         self._owners.clear()
         self._by_client.clear()
-        self.engine.requests.clear()
+        # The engine ended its requests itself before raising (LLMEngine._fail_all).
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -419,8 +404,7 @@ class EngineServer:
             if owner is not None:
                 self._error(owner.client, msg.id, "engine_unavailable",
                             "the engine is shutting down")
-        for rid in list(self.engine.requests):
-            self._emit(self.engine.abort_request(rid))
+        self._emit(self.engine.abort_all())
         self._drain(0)
         deadline = time.monotonic() + FLUSH_ON_CLOSE_S  # final messages get out, boundedly
         while self._outbox and time.monotonic() < deadline:

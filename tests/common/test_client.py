@@ -114,5 +114,5 @@ def test_a_lost_leader_fails_live_streams(leader, monkeypatch):
 def test_submits_carry_logit_bias_as_the_leader_decodes_it(params):
     from nvllm.common import client_protocol as cp
 
-    frame = client_module._submit_msg("r", [1, 2], params, 0, None, stream=True)
+    frame = client_module._submit_msg("r", [1, 2], params, 0, None)
     assert cp.decode_client_frame(frame).params.logit_bias == {5: 2.0, 70000: -100.0}

@@ -44,7 +44,7 @@ def test_the_protocol_doc_lists_every_type_and_field(section, types):
 def test_client_messages_round_trip():
     sub = cp.Submit("r1", None, [5, 6], SamplingParams(temperature=0, max_tokens=3,
                                                        stop=["x"], logit_bias={9: -2.5}),
-                    priority=-2, ttl_ms=250.0, stream=False)
+                    priority=-2, ttl_ms=250.0)
     assert cp.decode_client_frame(cp.encode(sub)) == sub
     for msg in (cp.Abort(7), cp.InfoRequest(), cp.HealthRequest(), cp.MetricsRequest(),
                 cp.Ping()):
@@ -95,6 +95,9 @@ SECRET = "s3cr3t-" * 20
     (_pack({"op": "submit", "id": "a", "prompt": "x", "params": {"temperature": -1}}),
      "invalid_request", "a"),
     (_pack({"op": "submit", "id": "a", "prompt": "x", "stream": 1}), "invalid_request", "a"),
+    # The non-streaming mode was removed: refused, never silently streamed.
+    (_pack({"op": "submit", "id": "a", "prompt": "x", "stream": False}), "invalid_request",
+     "a"),
     (_pack({"op": "submit", "id": "a", "prompt": "x", "priority": 1.5}), "invalid_request",
      "a"),
     (_pack({"op": "submit", "id": "a", "prompt": "x", "ttl_ms": float("nan")}),

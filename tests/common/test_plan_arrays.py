@@ -30,7 +30,7 @@ def make_plan(step: int, num_new: int, num_run: int, prompt: int = 300,
 
 @pytest.fixture
 def ring():
-    w = ArrayWriter("shm", capacity_bytes=1 << 20, slot_bytes=4096, timeout_s=0.0)
+    w = ArrayWriter(capacity_bytes=1 << 20, slot_bytes=4096, timeout_s=0.0)
     r = ArrayReader()
     yield w, r
     r.close()

@@ -283,9 +283,8 @@ def test_decode_plans_stay_small(llm):
 
     engine = llm.engine
     for i in range(32):
-        engine.add_request(engine.input_processor.process(
-            prompt_token_ids=[7, 8, 9, 10 + i],
-            params=SP(temperature=0, max_tokens=20, ignore_eos=True)))
+        engine.submit(prompt_token_ids=[7, 8, 9, 10 + i],
+                      params=SP(temperature=0, max_tokens=20, ignore_eos=True))
     sizes = []
     while engine.has_unfinished_requests():
         engine.step()

@@ -35,7 +35,7 @@ def restarts(exposition: str) -> float:
 
 def run_with_fault(llm: LLM, kill_at_step: int, sig=signal.SIGKILL) -> dict[str, list[int]]:
     engine = llm.engine
-    ids = {engine.add_request(engine.input_processor.process(p, PARAMS)).request_id: p
+    ids = {engine.submit(p, PARAMS).request_id: p
            for p in PROMPTS}
     done, steps = {}, 0
     while llm.engine.has_unfinished_requests():

@@ -79,15 +79,6 @@ def test_stop_string_never_leaks_into_the_stream(served):
     assert deltas[-1].finish_reason == "stop"
 
 
-def test_non_streaming_request_gets_one_message(served):
-    with RawClient(served.endpoint, timeout_s=60) as c:
-        c.send_map({"op": "submit", "id": "x", "prompt": "Hello", "stream": False,
-                 "params": {**GREEDY, "n": 2, "seed": 3, "temperature": 0.8}})
-        msgs = [c.wait_map("x", ()), c.wait_map("x", ())]
-    assert sorted(m["index"] for m in msgs) == [0, 1]
-    assert all(len(m["token_ids"]) == 16 and m["finish_reason"] == "length" for m in msgs)
-
-
 def test_abort_mid_stream_frees_blocks(served):
     with RawClient(served.endpoint, timeout_s=60) as c:
         stream = c.stream("Tell me a long story", {**GREEDY, "max_tokens": 500})

@@ -49,12 +49,18 @@ pytestmark = [
 
 
 def _compile_all(tmp_path) -> list[dict]:
+    from nvllm.common.config import EngineConfig
+
+    # The engine's default KV block size: the kernels' compiler takes the shapes it compiles
+    # for from its caller (nvllm/kernels imports nothing of the engine's config).
+    page_size = EngineConfig.__dataclass_fields__["block_size"].default
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]),
         # A fresh cache: every kernel really goes through the compiler and ptxas.
         TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     procs = [subprocess.Popen([sys.executable, "-m", "nvllm.kernels.triton_aot", "--json",
-                               "--targets", t], env=env, cwd=REPO, text=True,
+                               "--page-size", str(page_size), "--targets", t],
+                              env=env, cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for t in TARGETS]
     rows = []

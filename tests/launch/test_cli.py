@@ -79,10 +79,15 @@ def test_launch_serves_clients_until_sigint(tiny, procs):
         assert bad["id"] == "t1" and "temperature" in bad["message"]
         long = ask({"op": "submit", "id": 2, "prompt_token_ids": [5] * 2000})
         assert long["code"] == "rejected" and "max_model_len is 1024" in long["message"]
-        out = ask({"op": "submit", "id": "ok", "prompt": "Hello", "stream": False,
-                   "params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}})
-        assert out["op"] == "output" and out["id"] == "ok" and len(out["token_ids"]) == 8
-        assert out["finish_reason"] == "length"
+        outs = [ask({"op": "submit", "id": "ok", "prompt": "Hello",
+                     "params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}})]
+        while outs[-1].get("finish_reason") is None:  # the stream, to its last message
+            assert sock.poll(60_000), "no reply from the server"
+            outs.append(msgpack.unpackb(sock.recv()))
+        assert all(o["op"] == "output" and o["id"] == "ok" for o in outs)
+        out = {"text": "".join(o["text"] for o in outs),
+               "token_ids": [t for o in outs for t in o["token_ids"]]}
+        assert len(out["token_ids"]) == 8 and outs[-1]["finish_reason"] == "length"
 
         # The OpenAI gateway started beside the engine answers over HTTP.
         base = f"http://127.0.0.1:{http_port}"

@@ -1,4 +1,4 @@
-"""LLMEngine through its public surface (add_request, step, abort_request, outputs,
+"""LLMEngine through its public surface (submit, step, abort_request, abort_all, outputs,
 metrics) against the fake worker group: what reaches the workers, and what the workers'
 results become. A safety net for refactors of the engine; every test runs with
 synchronous and with async scheduling (the `scheduling` fixture in conftest.py).
@@ -86,6 +86,36 @@ def test_token_ids_outside_the_vocabulary_are_rejected_and_not_echoed(make_engin
     assert msg.startswith(f"{field} holds 2 id(s) outside the vocabulary"), msg
     assert str(vocab + 12345) not in msg
     assert not workers.plans
+
+
+# ---- submit and abort_all ------------------------------------------------------------------
+
+
+def test_submit_admits_and_abort_all_ends_every_request(make_engine):
+    """submit processes and admits (a used id is refused, nothing changes); requests is a
+    read-only view; abort_all ends every live request, in admission order, with one final
+    delta per completion and a RequestOutput each, and frees every block."""
+    from nvllm.common.errors import RequestRejected
+
+    engine, workers = make_engine()
+    a = submit(engine, prompt_token_ids=prompt_ids(0, 5), request_id="a",
+               params=SamplingParams(max_tokens=50, n=2, ignore_eos=True))
+    b = submit(engine, prompt_ids(10, 6), SamplingParams(max_tokens=50, ignore_eos=True),
+               request_id="b", priority=1, ttl_ms=60_000)
+    assert b.priority == 1 and b.deadline is not None and b.prompt_token_ids == prompt_ids(10, 6)
+    with pytest.raises(RequestRejected, match="already in use"):
+        submit(engine, prompt_token_ids=prompt_ids(20, 3), request_id="a")
+    assert list(engine.requests) == ["a", "b"] and engine.requests["a"] is a
+    with pytest.raises(TypeError):
+        engine.requests["c"] = a  # only the engine changes its requests
+    engine.step()
+    out = engine.abort_all("abort")
+    assert [(d.request_id, d.index, d.finish_reason) for d in out.deltas] == [
+        ("a", 0, "abort"), ("a", 1, "abort"), ("b", 0, "abort")]
+    assert [r.request_id for r in out.finished] == ["a", "b"]
+    assert not engine.requests and not engine.abort_all().deltas
+    run(engine)  # the workers let go of the aborted sequences
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 # ---- prefix caching -------------------------------------------------------------------------

@@ -191,7 +191,6 @@ def test_the_decoder_returns_a_message_or_a_protocol_error(frame):
         assert (msg.prompt is None) != (msg.prompt_token_ids is None)
         assert 1 <= msg.params.n <= lim.max_n
         assert len(msg.params.stop_token_ids or []) <= lim.max_stop_token_ids
-        assert isinstance(msg.stream, bool)
         cp.decode_client_frame(cp.encode(msg))  # and it round-trips
 
 
@@ -219,7 +218,7 @@ class Harness:
             real_send(client, msg)
 
         self.server._send = spy
-        self.live: dict = {}  # client request id -> [n, set of finished indices, stream]
+        self.live: dict = {}  # client request id -> [n, set of finished indices]
         self.accepted = 0
         self.normal = 0
 
@@ -231,10 +230,8 @@ class Harness:
     def _output(self, m: cp.Output) -> None:
         gen = self.live.get(m.id)
         assert gen is not None, f"an output for no live request: {m}"
-        n, done, stream = gen
+        n, done = gen
         assert 0 <= m.index < n and m.index not in done, f"after its final message: {m}"
-        if not stream:
-            assert m.finish_reason is not None, "a non-streaming request sent a partial"
         if m.finish_reason is not None:
             assert m.usage is not None
             done.add(m.index)
@@ -257,7 +254,7 @@ class Harness:
             owner = self.server._owners[new.pop()]
             assert not self.log, f"an accepted submit was answered at once: {self.log}"
             assert owner.client_rid not in self.live, "a live id accepted twice"
-            self.live[owner.client_rid] = [owner.remaining, set(), owner.stream]
+            self.live[owner.client_rid] = [owner.remaining, set()]
             self.accepted += 1
             return
         errors = [m for m in self.log if isinstance(m, cp.Error)]

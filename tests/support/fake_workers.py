@@ -170,7 +170,7 @@ class FakeWorkers:
 
 def submit(engine: LLMEngine, prompt=None, params=None, **kwargs):
     """Process and admit a request, as LLM.generate does."""
-    return engine.add_request(engine.input_processor.process(prompt, params, **kwargs))
+    return engine.submit(prompt, params, **kwargs)
 
 
 def prompt_ids(start: int, n: int) -> list[int]:

@@ -2,17 +2,16 @@
 tables, logprob tensors, prompt embeddings).
 
 A message carries an ArrayRef (a short list) instead of the array. On one host the array
-lives in a reusable shared-memory ring owned by the writer (CPU), or in a CUDA
-allocation exported by IPC handle through CuPy (GPU); across hosts the ref carries the
-bytes inline. Readers resolve every kind with the same call.
+lives in a reusable shared-memory ring owned by the writer; an inline ref carries the
+bytes themselves (an empty array, a payload under ``min_shm_bytes``, ``inline_ref``).
+Readers resolve both kinds with the same call.
 
 API
 ---
 Writer (one per producing process; one producer thread, acks from any thread)::
 
-    w = ArrayWriter(kind="shm" | "cuda" | "inline", capacity_bytes=16 << 20,
-                    slot_bytes=64 << 10, num_readers=1, timeout_s=1.0, min_shm_bytes=0,
-                    device=None)
+    w = ArrayWriter(capacity_bytes=16 << 20, slot_bytes=64 << 10, num_readers=1,
+                    timeout_s=1.0, min_shm_bytes=0)
     refs = w.put_many([a, b, ...])            # one region, one generation -> [ArrayRef]
     ref = w.put(a)
     res = w.reserve([(shape, dtype), ...])    # fill res.arrays in place (no staging copy)
@@ -27,7 +26,7 @@ Writer (one per producing process; one producer thread, acks from any thread)::
 Reader (one per consuming process)::
 
     r = ArrayReader()
-    arr = r.get(ref_or_list)   # numpy view (read-only) for shm/inline, CuPy array for cuda
+    arr = r.get(ref_or_list)   # a read-only numpy view
     r.check(ref)               # StaleRef if the region was rewritten since
     g = r.release(generation)  # cumulative value to send back for the writer's acked()
     r.close()
@@ -36,7 +35,8 @@ Errors: BadRef (a ProtocolError, so a ValueError) for anything a reader cannot r
 malformed list, unknown dtype, bad shape, out-of-range offset/length, unknown buffer
 name; StaleRef (a BadRef) when the region's generation changed. RingFull (a
 TimeoutError) when no region was acknowledged in time; its message names the fixes.
-TransportError when a writer cannot be set up (no room in /dev/shm, no CuPy/GPU).
+TransportError when a writer cannot be set up (no POSIX shared memory, no room in
+/dev/shm).
 
 Guarantees: no per-step allocation (a fixed ring, regions reused in order); a region is
 reused only once every reader acknowledged its generation, and the writer waits at most
@@ -49,9 +49,9 @@ them with a resource tracker. Nothing is ever unpickled.
 
 Intended integration (leader -> workers plan path)
 --------------------------------------------------
-- Leader: at start, ``ArrayWriter("shm")`` when every rank runs on the leader's host,
-  ``ArrayWriter("inline")`` otherwise (multi-node), num_readers=1 (see acks). Close it
-  after the workers stopped.
+- Leader: at start, ``ArrayWriter()`` when every rank runs on the leader's host
+  (nvllm/launch/engine_builder.py); with ranks on other nodes there is no writer and
+  plans travel as lists. num_readers=1 (see acks). Close it after the workers stopped.
 - _build_plan: pack each step's bulk data into one reservation, CSR style: all new
   sequences' token ids in one int32 array plus offsets, all block ids likewise
   (``vals[:] = list(itertools.chain.from_iterable(lists))`` converts in one C call,
@@ -78,16 +78,10 @@ Intended integration (leader -> workers plan path)
   (``torch.tensor(view)``, ``view.tolist()``), which also ends its use of the ring.
   bfloat16 travels as uint16 (``t.view(torch.uint16).numpy()`` /
   ``torch.from_numpy(a).view(torch.bfloat16)``).
-- CUDA rings: for a writer that has a GPU (e.g. rank 0 handing logprob tensors or
-  embeddings to another local process). The payload stays on the GPU, the region table
-  in host shared memory; readers get CuPy arrays (``torch.as_tensor(x, device="cuda")``
-  wraps one without a copy). Checked on a GPU machine by
-  ``python -m nvllm.common.transport --selftest-cuda``.
 """
 
 from nvllm.common.transport.reader import ArrayReader
 from nvllm.common.transport.refs import (
-    CUDA,
     DTYPES,
     INLINE,
     SHM,
@@ -106,7 +100,7 @@ from nvllm.common.transport.ring import (
 )
 
 __all__ = [
-    "CUDA", "DTYPES", "INLINE", "SHM", "ArrayReader", "ArrayRef", "ArrayWriter", "BadRef",
+    "DTYPES", "INLINE", "SHM", "ArrayReader", "ArrayRef", "ArrayWriter", "BadRef",
     "Reservation", "RingFull", "StaleRef", "TransportError", "dtype_name", "inline_ref",
     "new_buffer_name",
 ]

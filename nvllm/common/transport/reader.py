@@ -13,17 +13,14 @@ from typing import Any
 import numpy as np
 
 from nvllm.common.transport.refs import (
-    CUDA,
     DTYPES,
     INLINE,
-    KIND_NAMES,
     SHM,
     ArrayRef,
     BadRef,
     StaleRef,
 )
 from nvllm.common.transport.ring import (
-    _CUDA_HDR,
     _HDR,
     HEADER_BYTES,
     MAGIC,
@@ -35,8 +32,8 @@ from nvllm.common.transport.ring import (
 class _Segment:
     """A reader's read-only mapping of one ring."""
 
-    __slots__ = ("name", "kind", "mm", "table", "num_slots", "slot_bytes", "data_offset",
-                 "payload_bytes", "cuda_info", "cuda")
+    __slots__ = ("name", "mm", "table", "num_slots", "slot_bytes", "data_offset",
+                 "payload_bytes")
 
     def __init__(self, name: str) -> None:
         if _posixshmem is None:
@@ -46,7 +43,7 @@ class _Segment:
         except FileNotFoundError:
             raise BadRef(f"unknown buffer {name!r}: no shared-memory segment of that name "
                          "on this host (its writer closed it, or this reader runs on "
-                         "another host: readers elsewhere need kind='inline')") from None
+                         "another host: readers elsewhere need inline refs)") from None
         except OSError as e:
             raise BadRef(f"cannot open buffer {name!r}: {e}") from None
         # Mapped read-only and never through SharedMemory: no resource_tracker sees it
@@ -63,21 +60,19 @@ class _Segment:
         magic, version, kind, n, slot_bytes, table_off, data_off, payload = \
             _HDR.unpack_from(self.mm, 0)
         table_end = table_off + 8 * n
-        ok = (magic == MAGIC and version == VERSION and kind in (SHM, CUDA) and n >= 1
+        ok = (magic == MAGIC and version == VERSION and kind == SHM and n >= 1
               and slot_bytes >= 1 and payload == n * slot_bytes and table_off >= HEADER_BYTES
               and table_off % 8 == 0 and table_end <= size
-              and (kind == CUDA or (data_off >= table_end and data_off + payload <= size)))
+              and data_off >= table_end and data_off + payload <= size)
         if not ok:
             raise BadRef(f"buffer {name!r} is not an nvllm transport ring of version "
                          f"{VERSION} (bad header)")
-        self.name, self.kind, self.num_slots, self.slot_bytes = name, kind, n, slot_bytes
+        self.name, self.num_slots, self.slot_bytes = name, n, slot_bytes
         self.data_offset, self.payload_bytes = data_off, payload
         self.table = np.frombuffer(self.mm, np.uint64, n, table_off)
-        self.cuda_info = _CUDA_HDR.unpack_from(self.mm, 64) if kind == CUDA else None
-        self.cuda = None  # opened at the first CUDA ref
 
     def close(self) -> None:
-        self.table = self.cuda = None
+        self.table = None
         try:
             self.mm.close()
         except BufferError:
@@ -85,8 +80,8 @@ class _Segment:
 
 
 class ArrayReader:
-    """Resolves ArrayRefs to arrays: numpy views for inline and SHM refs (read-only,
-    zero-copy), CuPy arrays for CUDA refs. Attaches to rings lazily by name and caches
+    """Resolves ArrayRefs to arrays: numpy views (read-only, zero-copy) of inline bytes
+    or of a region of a writer's ring. Attaches to rings lazily by name and caches
     the mappings (at most max_buffers; the oldest is dropped beyond that).
 
     A view is valid until this reader releases its generation: copy what must outlive
@@ -106,17 +101,8 @@ class ArrayReader:
         if ref.kind == INLINE:
             return np.frombuffer(ref.data, dt).reshape(ref.shape)
         seg = self._verify(ref)
-        if ref.kind == SHM:
-            return np.frombuffer(seg.mm, dt, math.prod(ref.shape),
-                                 seg.data_offset + ref.offset).reshape(ref.shape)
-        if seg.cuda is None:
-            from nvllm.common.transport.cuda import CudaImport
-
-            handle, pci = seg.cuda_info
-            seg.cuda = CudaImport(seg.name, handle, pci.rstrip(b"\0").decode("ascii",
-                                                                             "replace"),
-                                  seg.payload_bytes)
-        return seg.cuda.view(ref.offset, ref.shape, dt)
+        return np.frombuffer(seg.mm, dt, math.prod(ref.shape),
+                             seg.data_offset + ref.offset).reshape(ref.shape)
 
     def get_many(self, refs: Sequence[ArrayRef | list]) -> list:
         return [self.get(r) for r in refs]
@@ -150,9 +136,6 @@ class ArrayReader:
 
     def _verify(self, ref: ArrayRef) -> _Segment:
         seg = self._segment(ref.buffer)
-        if seg.kind != ref.kind:
-            raise BadRef(f"a {KIND_NAMES[ref.kind]} ref to buffer {ref.buffer!r}, which holds "
-                         f"a {KIND_NAMES[seg.kind]} ring")
         nbytes = ref.nbytes
         end = ref.offset + nbytes
         if end > seg.payload_bytes or (nbytes == 0 and ref.offset >= seg.payload_bytes):

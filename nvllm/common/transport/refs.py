@@ -4,7 +4,6 @@ Wire form (a msgpack array, positional like the rest of the protocol):
 
     inline  [0, dtype, shape, bytes]                          the data itself (any host)
     shm     [1, dtype, shape, buffer, offset, generation]     a region of a host ring
-    cuda    [2, dtype, shape, buffer, offset, generation]     a region of a CUDA IPC ring
 
 `dtype` is a name from DTYPES (always little-endian), `shape` a list of ints, `buffer`
 the ring's shared-memory name, `offset` the byte offset of the array in the ring's
@@ -25,11 +24,11 @@ import numpy as np
 from nvllm.common.errors import NvllmError, ProtocolError
 from nvllm.common.utils import is_int
 
-# Step plans use SHM refs only (nvllm/common/plan_arrays.py). INLINE (a peer on another
-# host) and CUDA (GPU tensors by IPC handle) are kept, tested, for the GPU path and for
-# bulky per-request payloads such as compiled grammars for structured output.
-INLINE, SHM, CUDA = 0, 1, 2
-KIND_NAMES = {INLINE: "inline", SHM: "shm", CUDA: "cuda"}
+# Step plans use SHM refs (nvllm/common/plan_arrays.py); an empty array, a payload under
+# the writer's min_shm_bytes, or inline_ref's result travels INLINE. (Kind 2, a CUDA IPC
+# ring, is gone: no production caller; a ref of that kind is refused as unknown.)
+INLINE, SHM = 0, 1
+KIND_NAMES = {INLINE: "inline", SHM: "shm"}
 
 # bfloat16 has no numpy dtype: send it as uint16 (torch: t.view(torch.uint16).numpy(),
 # back with torch.from_numpy(a).view(torch.bfloat16)); the receiver knows the model dtype.
@@ -81,7 +80,7 @@ class ArrayRef:
     """A reference to one array: inline bytes, or a region of a shared ring. Treat as
     immutable (not frozen only because frozen dataclasses build several times slower)."""
 
-    kind: int  # INLINE, SHM or CUDA
+    kind: int  # INLINE or SHM
     dtype: str
     shape: tuple[int, ...]
     buffer: str = ""
@@ -151,20 +150,10 @@ class ArrayRef:
 
 def inline_ref(array: Any) -> ArrayRef:
     """A self-contained ref holding a copy of the array's bytes (any host can read it).
-    Accepts numpy arrays, anything np.asarray takes, and CUDA arrays (copied to host)."""
-    a = _to_host(array)
+    Accepts numpy arrays and anything np.asarray takes."""
+    a = np.asarray(array)
     name = dtype_name(a.dtype)
     if a.dtype != DTYPES[name]:  # big-endian input: the wire is little-endian
         a = a.astype(DTYPES[name])
     return ArrayRef(INLINE, name, tuple(a.shape), data=np.ascontiguousarray(a).tobytes())
 
-
-def _to_host(array: Any) -> np.ndarray:
-    if isinstance(array, np.ndarray):
-        return array
-    if hasattr(array, "__cuda_array_interface__"):
-        from nvllm.common.transport.cuda import import_cupy
-
-        cp = import_cupy()
-        return cp.asnumpy(cp.asarray(array))
-    return np.asarray(array)

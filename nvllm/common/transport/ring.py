@@ -2,11 +2,11 @@
 
 Segment layout (one POSIX shared-memory segment per writer, named ``nvllm-tr-PID-TOKEN``):
 
-    [0, 64)       header: magic, layout version, payload kind (SHM or CUDA), num_slots,
+    [0, 64)       header: magic, layout version, payload kind (SHM), num_slots,
                   slot_bytes, table offset, data offset, payload bytes
-    [64, 160)     CUDA rings only: the payload's IPC handle and its GPU's PCI bus id
+    [64, 256)     unused (CUDA rings, since removed, kept their IPC handle here)
     [table, +8n)  the region table: one uint64 generation per slot (0 = being written)
-    [data, ...)   SHM rings: the payload, num_slots * slot_bytes (CUDA rings keep it on the GPU)
+    [data, ...)   the payload, num_slots * slot_bytes
 
 A region is a run of consecutive slots holding the arrays of one reservation. The
 writer hands regions out in ring order and reuses one only when every reader has
@@ -16,7 +16,6 @@ a region that was rewritten (or is being written) is refused, never read.
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 import os
@@ -33,13 +32,11 @@ import numpy as np
 
 from nvllm.common.errors import NvllmError
 from nvllm.common.transport.refs import (
-    CUDA,
     DTYPES,
     INLINE,
     SHM,
     ArrayRef,
     RingFull,
-    _to_host,
     dtype_name,
     inline_ref,
 )
@@ -47,19 +44,17 @@ from nvllm.common.utils import cdiv
 
 try:  # the module SharedMemory itself uses; readers map segments read-only through it
     import _posixshmem
-except ImportError:  # Windows: no POSIX shared memory; only inline transport works there
+except ImportError:  # Windows: no POSIX shared memory; only inline refs work there
     _posixshmem = None
 
-logger = logging.getLogger(__name__)
 MAGIC, VERSION = b"NVLLMTR1", 1
 _HDR = struct.Struct("<8s7Q")
-_CUDA_HDR = struct.Struct("<64s32s")  # at offset 64
 HEADER_BYTES = 256
 ALIGN = 64  # arrays in a region start on cache-line (and any dtype's) alignment
 
 
 class TransportError(NvllmError, RuntimeError):
-    """A writer cannot be set up here (no room in /dev/shm, no CuPy, no GPU, ...)."""
+    """A writer cannot be set up here (no POSIX shared memory, no room in /dev/shm)."""
 
 
 def new_buffer_name() -> str:
@@ -73,14 +68,14 @@ def _round_up(n: int, to: int) -> int:
 
 
 class _Owned:
-    """What the finalizer releases: the segment, the views into it (dropped first, or
-    SharedMemory.close raises BufferError), and the CUDA payload if any. Kept apart from
-    the writer so that weakref.finalize does not keep the writer alive."""
+    """What the finalizer releases: the segment and the views into it (dropped first, or
+    SharedMemory.close raises BufferError). Kept apart from the writer so that
+    weakref.finalize does not keep the writer alive."""
 
-    __slots__ = ("shm", "table", "data", "cuda", "pid")
+    __slots__ = ("shm", "table", "data", "pid")
 
     def __init__(self, shm: SharedMemory) -> None:
-        self.shm, self.table, self.data, self.cuda = shm, None, None, None
+        self.shm, self.table, self.data = shm, None, None
         self.pid = os.getpid()
 
 
@@ -93,12 +88,6 @@ def _release(owned: _Owned) -> None:
         shm.unlink()  # first: the name goes at once, the memory when the last mapping does
     except FileNotFoundError:
         pass
-    if owned.cuda is not None:
-        cuda, owned.cuda = owned.cuda, None
-        try:
-            cuda.free()
-        except Exception as e:  # at exit the CUDA context may be gone: the driver frees it
-            logger.warning("freeing the CUDA payload of %s: %s", cuda.name, e)
     try:
         shm.close()
     except BufferError:
@@ -115,8 +104,8 @@ def _release(owned: _Owned) -> None:
 class Reservation:
     """Arrays to fill in place, then `commit()` for their refs (or `abort()`).
 
-    Writable views into the ring (numpy on SHM rings, CuPy on CUDA rings; plain numpy
-    when the payload goes inline). Refs exist only after commit, and the arrays must not
+    Writable numpy views into the ring (plain numpy arrays when the payload goes
+    inline). Refs exist only after commit, and the arrays must not
     be touched after it: readers may be looking at them. Used as a context manager, a
     reservation left uncommitted is aborted.
     """
@@ -142,8 +131,8 @@ class Reservation:
             return [inline_ref(a) for a in arrays]
         w = self.writer
         w._publish(self._slots, self.generation)
-        kind, name, base = w.kind_code, w.name, self._base
-        return [ArrayRef(kind, dt, shape, name, base + off, self.generation) if n else
+        name, base = w.name, self._base
+        return [ArrayRef(SHM, dt, shape, name, base + off, self.generation) if n else
                 ArrayRef(INLINE, dt, shape, data=b"")  # an empty array needs no region
                 for shape, dt, off, n in self._layout]
 
@@ -162,27 +151,23 @@ class Reservation:
 
 
 class ArrayWriter:
-    """Owns one ring; turns arrays into ArrayRefs. One producer thread; acks may come
-    from any thread (a writer waiting for room wakes on them).
+    """Owns one ring in host shared memory; turns arrays into ArrayRefs. One producer
+    thread; acks may come from any thread (a writer waiting for room wakes on them).
+    Readers on other hosts get no refs from it: plans to them travel as lists, and a
+    single array can go as ``inline_ref``.
 
-    kind: "shm" (host shared memory), "cuda" (payload in GPU memory of `device`, shared
-    by CUDA IPC through CuPy), or "inline" (no ring: every ref carries its bytes; for
-    readers on other hosts). capacity_bytes / slot_bytes: the ring's size and its
-    allocation unit; a payload takes whole slots. num_readers: how many readers must
+    capacity_bytes / slot_bytes: the ring's size and its allocation unit; a payload
+    takes whole slots. num_readers: how many readers must
     acknowledge a generation before its region is reused. timeout_s: how long a
     reservation waits for room before RingFull. min_shm_bytes: payloads smaller than
     this go inline (for tiny arrays a region and its ack cost more than the bytes).
     """
 
-    def __init__(self, kind: str = "shm", *, capacity_bytes: int = 16 << 20,
-                 slot_bytes: int = 64 << 10, num_readers: int = 1, timeout_s: float = 1.0,
-                 min_shm_bytes: int = 0, device: int | None = None) -> None:
-        if kind not in ("shm", "cuda", "inline"):
-            raise ValueError(f"kind must be 'shm', 'cuda' or 'inline', got {kind!r}")
+    def __init__(self, *, capacity_bytes: int = 16 << 20, slot_bytes: int = 64 << 10,
+                 num_readers: int = 1, timeout_s: float = 1.0,
+                 min_shm_bytes: int = 0) -> None:
         if num_readers < 1 or slot_bytes < ALIGN or slot_bytes % ALIGN:
             raise ValueError(f"need num_readers >= 1 and slot_bytes a multiple of {ALIGN}")
-        self.kind = kind
-        self.kind_code = {"shm": SHM, "cuda": CUDA, "inline": INLINE}[kind]
         self.num_readers, self.timeout_s, self.min_shm_bytes = num_readers, timeout_s, \
             min_shm_bytes
         self.slot_bytes = slot_bytes
@@ -196,24 +181,21 @@ class ArrayWriter:
         self._open: weakref.ref | None = None
         self._owned: _Owned | None = None
         self._closed = False
-        self._device = device
         self.num_shm = self.num_inline = 0  # reservations of each sort, for stats
-        if kind != "inline":
-            self._create()
+        self._create()
 
     def _create(self) -> None:
         if _posixshmem is None:
-            raise TransportError("shared-memory transport needs POSIX shared memory; use "
-                                 "kind='inline' on this platform")
+            raise TransportError("shared-memory transport needs POSIX shared memory")
         table_end = HEADER_BYTES + 8 * self.num_slots
-        data_off = _round_up(table_end, mmap.PAGESIZE) if self.kind == "shm" else 0
-        size = data_off + self.capacity if self.kind == "shm" else table_end
+        data_off = _round_up(table_end, mmap.PAGESIZE)
+        size = data_off + self.capacity
         self.name = new_buffer_name()
         try:
             shm = SharedMemory(self.name, create=True, size=size)
         except OSError as e:
-            raise TransportError(f"cannot create shared memory {self.name!r} ({e}); use "
-                                 "kind='inline'") from None
+            raise TransportError(f"cannot create shared memory {self.name!r} "
+                                 f"({e})") from None
         owned = self._owned = _Owned(shm)
         # From here the finalizer unlinks on close(), on garbage collection and at exit;
         # a killed process leaves it to multiprocessing's resource tracker, which
@@ -226,25 +208,18 @@ class ArrayWriter:
             if fd >= 0 and hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, size)
             buf = shm.buf
-            _HDR.pack_into(buf, 0, MAGIC, VERSION, self.kind_code, self.num_slots,
+            _HDR.pack_into(buf, 0, MAGIC, VERSION, SHM, self.num_slots,
                            self.slot_bytes, HEADER_BYTES, data_off, self.capacity)
             # np.frombuffer, never np.ndarray(buffer=...): only frombuffer holds a buffer
             # export, so the mapping cannot be closed under a live view (close() raises
             # BufferError instead, and the views keep it mapped).
             owned.table = np.frombuffer(buf, np.uint64, self.num_slots, HEADER_BYTES)
-            if self.kind == "shm":
-                owned.data = np.frombuffer(buf, np.uint8, self.capacity, data_off)
-            else:
-                from nvllm.common.transport.cuda import CudaPayload
-
-                owned.cuda = CudaPayload(self.name, self.capacity, self._device)
-                _CUDA_HDR.pack_into(buf, 64, owned.cuda.handle,
-                                    owned.cuda.pci_bus_id.encode("ascii"))
+            owned.data = np.frombuffer(buf, np.uint8, self.capacity, data_off)
         except OSError as e:
             self.close()
             raise TransportError(f"cannot set up a {self.capacity}-byte transport ring in "
-                                 f"/dev/shm ({e}): free space there, lower capacity_bytes, "
-                                 "or use kind='inline'") from None
+                                 f"/dev/shm ({e}): free space there or lower "
+                                 "capacity_bytes") from None
         except BaseException:
             self.close()
             raise
@@ -265,7 +240,7 @@ class ArrayWriter:
             total += _round_up(n, ALIGN)
         if self._closed:
             raise RuntimeError("this ArrayWriter is closed")
-        if self.kind == "inline" or total == 0 or total < self.min_shm_bytes:
+        if total == 0 or total < self.min_shm_bytes:
             self.num_inline += 1
             return Reservation(self, [np.empty(s, DTYPES[dt]) for s, dt, _, _ in layout],
                                layout, None, 0, 0)
@@ -280,21 +255,15 @@ class ArrayWriter:
     def put_many(self, arrays: Sequence[Any], timeout_s: float | None = None
                  ) -> list[ArrayRef]:
         """Copy arrays into one region (or inline) and return their refs, in order.
-        Accepts numpy arrays, anything np.asarray takes, and on CUDA rings CUDA arrays
-        (CuPy, torch: anything with __cuda_array_interface__, made on the legacy
-        default stream or synchronized before this call)."""
-        on_gpu = self.kind == "cuda"
-        srcs = [a if on_gpu and hasattr(a, "__cuda_array_interface__") else _to_host(a)
-                for a in arrays]
+        Accepts numpy arrays and anything np.asarray takes."""
+        srcs = [np.asarray(a) for a in arrays]
         res = self.reserve([(a.shape, a.dtype) for a in srcs], timeout_s)
         if res.inline:  # straight to bytes, no staging copy
             res.abort()
             return [inline_ref(a) for a in srcs]
         try:
-            for (_, dt, off, n), dst, src in zip(res._layout, res.arrays, srcs):
-                if n and on_gpu:
-                    self._owned.cuda.copy_in(res._base + off, src, DTYPES[dt])
-                elif n:
+            for (_, _, _, n), dst, src in zip(res._layout, res.arrays, srcs):
+                if n:
                     np.copyto(dst, src, casting="equiv")  # equiv: byte order may differ
         except BaseException:
             res.abort()
@@ -304,8 +273,8 @@ class ArrayWriter:
     def put(self, array: Any, timeout_s: float | None = None) -> ArrayRef:
         """One array in a region of its own. The engine's plans use reserve/commit
         (nvllm/common/plan_arrays.py); this general API, per-reader ``holders`` and
-        ``ArrayReader.release`` are kept for the CUDA IPC path and for bulky per-request
-        payloads (e.g. compiled grammars for structured output), and are tested as such."""
+        ``ArrayReader.release`` are kept for bulky per-request payloads (e.g. compiled
+        grammars for structured output), and are tested as such."""
         return self.put_many([array], timeout_s)[0]
 
     # ---- acknowledgements -------------------------------------------------------------
@@ -346,9 +315,7 @@ class ArrayWriter:
 
     def _view(self, offset: int, shape: tuple[int, ...], dt: str) -> Any:
         n = math.prod(shape) * DTYPES[dt].itemsize
-        if self.kind == "shm":
-            return self._owned.data[offset:offset + n].view(DTYPES[dt]).reshape(shape)
-        return self._owned.cuda.view(offset, shape, DTYPES[dt])
+        return self._owned.data[offset:offset + n].view(DTYPES[dt]).reshape(shape)
 
     def _alloc(self, nbytes: int, timeout_s: float | None) -> tuple[int, int, int]:
         k = cdiv(nbytes, self.slot_bytes)
@@ -394,8 +361,6 @@ class ArrayWriter:
 
     def _publish(self, slots: tuple[int, int], generation: int) -> None:
         start, k = slots
-        if self.kind == "cuda":
-            self._owned.cuda.sync()  # the copies must be done before any reader looks
         with self._cond:
             self._owned.table[start:start + k] = generation
             self._committed = generation
@@ -409,7 +374,7 @@ class ArrayWriter:
     # ---- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Unlink the segment (and free the GPU payload). Readers' existing mappings stay
+        """Unlink the segment. Readers' existing mappings stay
         valid until they drop them; new refs to this ring no longer resolve."""
         self._closed = True
         fin = getattr(self, "_finalizer", None)
@@ -423,7 +388,7 @@ class ArrayWriter:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"ArrayWriter({self.kind!r}, name={self.name!r}, slots={self.num_slots}x"
+        return (f"ArrayWriter(name={self.name!r}, slots={self.num_slots}x"
                 f"{self.slot_bytes}, readers={self.num_readers}, acked={self._acked})")
 
 
