@@ -93,11 +93,14 @@ def test_expert_shard_tp1_is_the_same_either_way_and_tp_needs_divisibility():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """qwen3-moe per-expert (save_pretrained) and fused, and mixtral per-expert (w1/w2/w3)."""
+    """qwen3-moe per-expert (save_pretrained) and fused, qwen3-moe-norm (norm_topk_prob=True,
+    decoder_sparse_step=2: layer 0 dense, layer 1 sparse), and mixtral per-expert
+    (w1/w2/w3)."""
     root = tmp_path_factory.mktemp("moe")
     return {
         "per-expert": make_tiny_checkpoint(root / "q", **PRESETS["qwen3-moe"]),
         "fused": make_tiny_checkpoint(root / "qf", fused_experts=True, **PRESETS["qwen3-moe"]),
+        "norm": make_tiny_checkpoint(root / "qn", **PRESETS["qwen3-moe-norm"]),
         "mixtral": make_tiny_checkpoint(root / "m", **PRESETS["mixtral"]),
     }
 
@@ -112,18 +115,21 @@ def _ours(path, rank, world, ep):
 
 @pytest.mark.parametrize("name,world,ep", [("per-expert", 2, False), ("per-expert", 2, True),
                                            ("fused", 2, False), ("fused", 4, True),
+                                           ("norm", 2, False), ("norm", 2, True),
                                            ("mixtral", 2, True)])
 def test_ranks_load_their_shard_and_their_partial_sums_add_up_to_hf(checkpoints, name, world,
                                                                      ep):
     """Each rank's experts are HF's (its experts whole, or its rows of each), and the
-    ranks' MoE partial sums add up to HF's sparse block on the same input."""
+    ranks' MoE partial sums add up to HF's sparse block on the same input ("norm": the
+    config's norm_topk_prob=True must reach the layer, top-k weights summing to 1)."""
     path = checkpoints[name]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf_block = hf.model.layers[0].mlp
+    layer = next(i for i in range(hf.config.num_hidden_layers) if is_moe_layer(hf.config, i))
+    hf_block = hf.model.layers[layer].mlp
     x = torch.randn(20, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
     total = torch.zeros_like(x)
     for rank in range(world):
-        moe = _ours(path, rank, world, ep).layers[0].mlp
+        moe = _ours(path, rank, world, ep).layers[layer].mlp
         assert isinstance(moe, SparseMoE)
         s, inter = moe.shard, moe.intermediate
         ref_gu = hf_block.experts.gate_up_proj[s.start:s.start + s.count]
