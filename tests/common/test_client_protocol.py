@@ -173,6 +173,14 @@ def test_limits_are_checked_on_decode(frame, code, words):
     assert e.value.code == code and words in e.value.message, e.value.message
 
 
+def test_prompt_of_exactly_max_model_len_tokens_decodes():
+    """The wire refuses only prompts over max_model_len (65 above); one of exactly 64
+    tokens reaches the engine, which judges it with max_tokens."""
+    sub = cp.decode_client_frame(_pack({"op": "submit", "id": "a",
+                                        "prompt_token_ids": [1] * 64}), LIMITS)
+    assert sub.prompt_token_ids == [1] * 64
+
+
 def test_logit_bias_up_to_the_limit_decodes_with_int_keys():
     # msgpack keeps int keys (the Python clients send them so); JSON-style string keys
     # from other clients become ints too.

@@ -81,13 +81,14 @@ def test_logprobs_match_hf_log_softmax(llm, model, prompts):
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
         ref = hf_ref.logprobs(model, p, c.token_ids)
+        tol = hf_ref.logprob_tols(model, p, c.token_ids)  # relative: hf_ref says why
         assert len(c.logprobs) == len(c.token_ids) == MAX_TOKENS
         for pos, (tok, lps) in enumerate(zip(c.token_ids, c.logprobs)):
             assert tok in lps, f"the sampled token is missing at {pos}"
             top3 = ref[pos].topk(3).indices.tolist()
             assert set(lps) - {tok} <= set(top3) and set(top3) <= set(lps)
             for t, v in lps.items():
-                assert v == pytest.approx(float(ref[pos, t]), abs=1e-4), (pos, t)
+                assert abs(v - float(ref[pos, t])) <= tol[pos], (pos, t)
             not_top += tok != top3[0]
     assert not_top > 0, "no sampled token below the top-1: the check would be weak"
 
@@ -118,8 +119,9 @@ def test_logit_bias_forces_its_row_only_and_logprobs_stay_raw(llm, model, prompt
     assert both[0].token_ids == [t] * MAX_TOKENS
     assert both[1].token_ids == gen(llm, prompts[1:], temperature=0)[0] == greedy[1]
     ref = hf_ref.logprobs(model, prompts[0], both[0].token_ids)
+    tol = hf_ref.logprob_tols(model, prompts[0], both[0].token_ids)
     for pos, lps in enumerate(both[0].outputs[0].logprobs):
-        assert lps[t] == pytest.approx(float(ref[pos, t]), abs=1e-4), pos
+        assert abs(lps[t] - float(ref[pos, t])) <= tol[pos], pos
         assert lps[t] < float(ref[pos].max()), "t must not be the model's own pick"
     banned = gen(llm, prompts[1:], temperature=0, logit_bias={greedy[1][0]: -100})[0]
     assert banned[0] != greedy[1][0]

@@ -84,6 +84,34 @@ def test_stats_count_every_admission_of_several_prompts(make_sim):
     assert (sim.kv.stats.queries, sim.kv.stats.hits) == (12 + 13 + 6, 8)
 
 
+def test_block_hash_depends_on_every_token_before_it():
+    """hash_block_tokens chains: the same block under a different parent (or at the root)
+    hashes differently, so a block's hash names its whole prefix, not only its tokens."""
+    x, y = toks(0, BS), toks(10, BS)
+    hx = block_pool.hash_block_tokens(None, x)
+    hy = block_pool.hash_block_tokens(None, y)
+    assert block_pool.hash_block_tokens(hx, x) != hx  # X after X is not X at the root
+    assert block_pool.hash_block_tokens(hx, y) != hy
+    assert block_pool.hash_block_tokens(hx, y) != block_pool.hash_block_tokens(hy, y)
+    # Through the manager: the chained hashes of X,X,X,X are four different values.
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    seq = make_seq(0, x * 4 + [1])
+    assert len({kv._block_hash(seq, i) for i in range(4)}) == 4
+
+
+def test_resubmitted_prompt_of_repeated_blocks_hits_every_full_block(make_sim):
+    """A prompt whose full blocks repeat each other (X,X,X,X + 1 token) caches all four
+    blocks, and the same prompt again hits all four. With hashes that ignore the parent,
+    blocks 1-3 collide with block 0's hash, are never cached, and only 1 block hits."""
+    sim = make_sim()
+    prompt = toks(0, BS) * 4 + [1]
+    first = finish_prompt(sim, prompt)
+    assert sim.kv.pool.num_cached_blocks == 4
+    again = finish_prompt(sim, prompt)
+    assert sim.hits_of(first) == [0] and sim.hits_of(again) == [4 * BS]
+    assert sim.table_of(again)[:4] == sim.table_of(first)[:4]
+
+
 def test_blocks_computed_after_a_hit_are_cached_too(make_sim):
     sim = make_sim()
     finish_prompt(sim, toks(0, 5))  # caches block 0 only

@@ -118,6 +118,34 @@ def test_submit_admits_and_abort_all_ends_every_request(make_engine):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("prompt_len", [1, 13, 31])
+def test_prompt_plus_max_tokens_filling_max_model_len_is_served_to_length(make_engine,
+                                                                         prompt_len):
+    """prompt + max_tokens == max_model_len is the longest request there is: accepted, and
+    it ends with 'length' after every one of its max_tokens, the last sampled at position
+    max_model_len - 1. One token more is rejected."""
+    from nvllm.common.errors import RequestRejected
+
+    limit = 32
+    positions = []  # the position each sampled token takes
+
+    def choose(sid, fs):
+        positions.append(len(fs.token_ids))
+        return 200
+
+    engine, _ = make_engine(choose, max_model_len=limit)
+    fits = SamplingParams(max_tokens=limit - prompt_len, ignore_eos=True)
+    submit(engine, prompt_token_ids=prompt_ids(0, prompt_len), params=fits, request_id="full")
+    outs = run(engine)
+    final = deltas_of(outs, "full")[-1]
+    assert final.finish_reason == "length"
+    assert final.usage["completion_tokens"] == limit - prompt_len
+    assert max(positions) == limit - 1
+    with pytest.raises(RequestRejected, match=f"exceeds max_model_len {limit}"):
+        submit(engine, prompt_token_ids=prompt_ids(0, prompt_len),
+               params=fits.clone(max_tokens=limit - prompt_len + 1))
+
+
 # ---- prefix caching -------------------------------------------------------------------------
 
 

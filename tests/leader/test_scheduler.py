@@ -242,6 +242,19 @@ def test_finished_seqs_give_every_block_back(make_sim):
     assert_no_leak(sim.kv)
 
 
+@pytest.mark.parametrize("prompt_len", [1, 9, 15])
+def test_sequence_ends_with_length_when_it_fills_max_model_len(make_sim, prompt_len):
+    """The scheduler's own cap (the input processor rejects prompt + max_tokens past
+    max_model_len, so only a Sequence made here can ask for more): a sequence ends with
+    'length' holding exactly max_model_len tokens, its last one sampled, never computed."""
+    sim = make_sim(max_model_len=16)
+    seq = sim.add(toks(0, prompt_len), max_tokens=100)
+    sim.run()
+    assert seq.finish_reason == "length"
+    assert seq.num_tokens == 16 and seq.num_output_tokens == 16 - prompt_len
+    assert sum(n for out in sim.outs for s, n in out.scheduled if s is seq) == 15
+
+
 # ---- random lifecycles ----------------------------------------------------------------------
 
 

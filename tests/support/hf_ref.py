@@ -1,5 +1,6 @@
 """HF transformers float32 references for the end-to-end sampling tests: greedy decoding
-with the worker sampler's frequency/presence penalties, and teacher-forced logprobs."""
+with the worker sampler's frequency/presence penalties, and teacher-forced logprobs with
+the tolerance rounding allows them (logprob_tols)."""
 
 from __future__ import annotations
 
@@ -51,12 +52,52 @@ def generate(model_dir: str, prompt: list[int], max_tokens: int, **kw) -> list[i
 
 
 @torch.no_grad()
-def logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """[len(output), vocab] float32 log_softmax of the logits each output token was drawn
-    from (teacher forcing on the engine's own output)."""
+def logits(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab] float32 logits each output token was drawn from (teacher
+    forcing on the engine's own output)."""
     model = hf_model(model_dir)
-    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1)
+    return model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+
+
+def logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab] float32 log_softmax of logits(model_dir, prompt, output)."""
+    return torch.log_softmax(logits(model_dir, prompt, output), dim=-1)
+
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def longest_sum(model_dir: str, num_tokens: int) -> int:
+    """The most terms one float32 reduction of a forward pass over num_tokens tokens adds:
+    a projection's input width (hidden, intermediate, heads * head_dim) or an attention
+    row's keys."""
+    cfg = hf_model(model_dir).config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return max(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * head_dim,
+               num_tokens)
+
+
+def logprob_tols(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output)]: how far an engine's float32 logprobs of each row may be from HF's
+    float32 ones on any x86-64 CPU torch supports, from rounding alone.
+
+    The two differ only in the order of their float32 sums (oneDNN/MKL GEMM blockings,
+    AVX2, AVX-512 or AMX kernels, SDPA tilings, nvllm's native ops: all differ by CPU). A
+    sum of n terms in any order is within n*eps*sum|terms| of the exact one (Higham's
+    gamma_n bound, no assumption on the order), n at most longest_sum; the RMSNorm before
+    the head rescales the hidden state, so the logits z carry that relative error at the
+    scale of the row, max|z|. A logprob is z_t - logsumexp(z), and logsumexp is
+    1-Lipschitz in the max norm: the logits' error counts twice. The logsumexp's own sum
+    of V positive terms adds V*eps. So |dlogprob| <= 2*n*eps*max|z| + V*eps.
+
+    tiny qwen3 (n = 128, V = 1024, max|z| about 30-40): about 1.2e-3. Measured: at most
+    21*eps*max|z| (about 1e-4) on an AVX-512 AMD EPYC; 1.09e-4 on a Xeon with AMX (issue
+    27: past the absolute 1e-4 this replaces). A precision bug (a float16 or bfloat16
+    rounding in the float32 path) moves logprobs by about 2**-10*max|z| = 8192*eps*max|z|
+    or more, 30 times this bound."""
+    z = logits(model_dir, prompt, output)
+    n = longest_sum(model_dir, len(prompt) + len(output))
+    return 2 * n * EPS32 * z.abs().amax(dim=-1) + z.shape[-1] * EPS32
 
 
 # A mismatch is a near-tie when HF's float32 logits of the two tokens differ by less than

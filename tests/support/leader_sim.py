@@ -57,12 +57,13 @@ class Sim:
 
     def __init__(self, num_blocks: int = 64, *, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, max_model_len: int = 4096):
         """window: a fully sliding-window model's (blocks behind it are given back, and
         a sequence reads only the keys within it)."""
         self.window = window
         self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching, window)
-        self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len=4096)
+        self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
+                               max_model_len=max_model_len)
         self.seqs: list[Sequence] = []
         self.kv_content: dict[int, tuple[int, ...]] = {}
         self.admitted: list[tuple[Sequence, int]] = []  # (seq, tokens hit) per admission

@@ -63,7 +63,48 @@ def test_sampled_rows_are_masked_and_logprobs_are_the_models(state, tok):
     tokens, lps = Sampler(0)(logits, reqs)
     for row, (t, (lp, _)) in enumerate(zip(tokens, lps)):
         assert tok.decode([t]).isdigit()
-        assert lp == pytest.approx(float(raw_lp[row, t]), abs=1e-6)
+        assert lp == float(raw_lp[row, t])  # the same float32 op on the same logits
+
+
+# Every way a greedy row is sampled: the batched argmax over the whole batch, over a subset
+# (another row needs per-row work), with a logit_bias (on a copy), and the per-row argmax
+# after a repetition penalty or under a pending min_tokens.
+GREEDY_PATHS = {
+    "batched_all": dict(),
+    "batched_subset": dict(),  # + an unconstrained sampled row in the batch
+    "batched_biased": dict(logit_bias_ids=[1], logit_bias_values=[-1.0]),
+    "per_row_penalty": dict(repetition_penalty=1.2),
+    "per_row_min_tokens": dict(min_tokens=3),
+}
+
+
+@pytest.mark.parametrize("path", list(GREEDY_PATHS))
+def test_every_greedy_path_is_masked_when_the_batch_asks_for_logprobs(state, tok, path):
+    """With logprobs asked in the batch, the mask goes on a copy of the logits (logprobs
+    are the raw ones): every greedy path must read the masked copy. The raw argmax is
+    'hen' (outside the digits grammar); the masked argmax is '7'."""
+    hen = tok("hen", add_special_tokens=False).input_ids
+    seven = tok("7", add_special_tokens=False).input_ids
+    assert len(hen) == len(seven) == 1
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, VOCAB, generator=g)
+    logits[:, hen[0]] = 20.0
+    logits[:, seven[0]] = 10.0
+    raw_lp = torch.log_softmax(logits, -1)
+    sid = 20 + list(GREEDY_PATHS).index(path)
+    state.start(sid, sampling("digits"), [])
+    constrained = SampleRequest(sampling("digits", temperature=0.0, logprobs=1,
+                                         **GREEDY_PATHS[path]), [5, 5], 2, state.matcher(sid))
+    other = SampleRequest(WorkerSampling(temperature=1.0 if path == "batched_subset" else 0.0,
+                                         seed=1), [5], 1)
+    tokens, lps = Sampler(0)(logits, [constrained, other])
+    assert tok.decode([tokens[0]]) == "7", f"{path}: {tok.decode([tokens[0]])!r} is outside [0-9]"
+    if path != "batched_subset":
+        assert tokens[1] == hen[0]  # the unconstrained greedy row is not masked
+    lp, top = lps[0]
+    assert lp == float(raw_lp[0, seven[0]])  # the model's own: the same op, the same bits
+    assert top[0][0] == hen[0]  # the raw top-1, outside the grammar
+    state.drop(sid)
 
 
 def test_min_tokens_yields_when_only_eos_is_allowed(state, tok):

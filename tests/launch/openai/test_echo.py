@@ -21,7 +21,9 @@ from nvllm.launch.openai.cli import start_gateway_process
 pytestmark = pytest.mark.e2e
 
 NAME = "tiny-qwen3"
-TOL = 1e-4
+# Logprobs are compared with HF's within hf_ref.logprob_tols: a bound relative to each
+# row's logit magnitude, derived there, that holds on any x86-64 CPU torch supports (an
+# absolute 1e-4 failed on a Xeon with AMX by 9%).
 CONTEXTS = ["The capital of France is", "Tensor parallel layers split the weights of every "
             "matrix across ranks, and an all-reduce joins the partial sums; then"]
 CONTINUATIONS = [" Paris", " the row-parallel projection ends"]
@@ -82,15 +84,16 @@ def test_lm_eval_loglikelihood_request_matches_hf(base, model):
     got = parse_logprobs(out, [len(c) for c in ctx])
     for ids, c, choice, (total, greedy) in zip(whole, ctx, out["choices"], got):
         ref = hf_ref.logprobs(model, ids[:1], ids[1:])  # row j - 1 scores token j
+        tol = hf_ref.logprob_tols(model, ids[:1], ids[1:])
         want = [float(ref[j - 1, ids[j]]) for j in range(len(c), len(ids))]
-        assert abs(total - sum(want)) < TOL * len(want)
+        assert abs(total - sum(want)) <= float(tol[len(c) - 1:].sum())
         assert greedy == all(int(ref[j - 1].argmax()) == ids[j]
                              for j in range(len(c), len(ids)))
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(ids) + 1  # the prompt, then the generated token
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for j in range(1, len(ids)):
-            assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) < TOL
+            assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) <= tol[j - 1]
             assert len(lp["top_logprobs"][j]) in (1, 2)
         assert choice["text"].startswith(tok.decode(ids))
         assert lp["text_offset"] == sorted(lp["text_offset"])
@@ -111,13 +114,14 @@ def test_echo_streams_the_prompt_in_each_choices_first_chunk(base, model):
                 for c in json.loads(line[6:])["choices"]:
                     chunks[c["index"]].append(c)
     ref = hf_ref.logprobs(model, ids[:1], ids[1:])
+    tol = hf_ref.logprob_tols(model, ids[:1], ids[1:])
     for choice in chunks.values():
         first = choice[0]
         assert first["text"].startswith(prompt)
         lp = first["logprobs"]
         assert lp["token_logprobs"][0] is None and len(lp["tokens"]) >= len(ids)
         for j in range(1, len(ids)):
-            assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) < TOL
+            assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) <= tol[j - 1]
         assert all(not c["text"].startswith(prompt) for c in choice[1:])
         offsets = [o for c in choice for o in c["logprobs"]["text_offset"]]
         assert offsets == sorted(offsets) and len(offsets) == len(ids) + 3
@@ -134,12 +138,13 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(base, model):
     (choice,) = out["choices"]
     plp = choice["prompt_logprobs"]
     ref = hf_ref.logprobs(model, ids[:1], ids[1:])
+    tol = hf_ref.logprob_tols(model, ids[:1], ids[1:])
     assert plp[0] is None and len(plp) == len(ids) and choice["logprobs"] is None
     for j in range(1, len(ids)):
         entry = plp[j]
         assert str(ids[j]) in entry and len(entry) in (3, 4)
         for t, v in entry.items():
-            assert abs(v["logprob"] - float(ref[j - 1, int(t)])) < TOL
+            assert abs(v["logprob"] - float(ref[j - 1, int(t)])) <= tol[j - 1]
             assert isinstance(v["decoded_token"], str)
         ranks = sorted(v["rank"] for v in entry.values() if v["rank"] is not None)
         assert ranks == [1, 2, 3]
