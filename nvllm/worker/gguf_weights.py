@@ -18,12 +18,20 @@ casts to the run dtype.
 from __future__ import annotations
 
 import re
+import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    ReaderTensor,
+)
 from gguf.quants import dequantize
 
 Q = GGMLQuantizationType
@@ -198,10 +206,38 @@ def read_gguf_field(reader: GGUFReader, key: str):
     return None if field is None else field.contents()
 
 
+class TensorReader(GGUFReader):
+    """ggml's GGUFReader, but string arrays' contents are stepped over, not read: the
+    tokenizer's vocabulary and merges (~100k strings, seconds through GGUFReader's
+    per-string numpy views) are the leader's business (converted once, see
+    nvllm/common/model_source.py); a worker needs the tensors and a few numbers. Such a
+    field keeps its type and length, with no values. An array of numbers is one view (its
+    ``parts[data[0]]``), not one per element."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type == GGUFValueType.ARRAY:
+            itype = self._get(orig_offs, np.uint32)
+            if itype[0] == GGUFValueType.STRING:
+                alen = self._get(orig_offs + 4, np.uint64)
+                fmt = ">Q" if (self.byte_order == "S") == (sys.byteorder == "little") else "<Q"
+                offs = orig_offs + 12
+                for _ in range(int(alen[0])):
+                    offs += 8 + struct.unpack_from(fmt, self.data, offs)[0]
+                return offs - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY,
+                                                             GGUFValueType.STRING]
+            nptype = self.gguf_scalar_to_np.get(GGUFValueType(int(itype[0])))
+            if nptype is not None:  # one view of the whole array, not one per element
+                alen = self._get(orig_offs + 4, np.uint64)
+                values = self._get(orig_offs + 12, nptype, int(alen[0]))
+                return (12 + int(values.nbytes), [itype, alen, values], [2],
+                        [GGUFValueType.ARRAY, GGUFValueType(int(itype[0]))])
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
 def open_gguf(path: str) -> tuple[GGUFReader, str, int, int]:
     """A GGUF file's reader, architecture and (q, kv) head counts. Split files after the
     first carry no metadata: their heads come from the first (pass them on)."""
-    reader = GGUFReader(path)
+    reader = TensorReader(path)
     arch = read_gguf_field(reader, "general.architecture")
     heads = read_gguf_field(reader, f"{arch}.attention.head_count") if arch else None
     kv = read_gguf_field(reader, f"{arch}.attention.head_count_kv") if arch else None

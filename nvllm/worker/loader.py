@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -66,6 +67,26 @@ def _tensor_sources(source: ModelSource):
     return [(f, lambda f=f: gguf(f)) for f in source.weight_files]
 
 
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
+                 params: dict[str, nn.Parameter] | None = None) -> set[str]:
+    """Hand each (HF name, lazy source) to the weight_loader of the parameter it feeds;
+    returns the names of the parameters loaded."""
+    params = dict(model.named_parameters()) if params is None else params
+    loaded: set[str] = set()
+    for hf_name, src in tensors:
+        for name, shard_id in model.param_for(hf_name):
+            param = params.get(name)
+            if param is None:
+                raise KeyError(
+                    f"checkpoint tensor {hf_name} has no place in the model "
+                    f"({name}); is config.json the right one for these weights?")
+            loader = getattr(param, "weight_loader", _default_loader)
+            with torch.no_grad():
+                loader(param, src, shard_id)
+            loaded.add(name)
+    return loaded
+
+
 def load_weights(model: nn.Module, source: ModelSource | str | Path,
                  show_progress: bool = True) -> None:
     """Load ``source`` (a ModelSource, or a checkpoint folder / .gguf path) into
@@ -81,17 +102,7 @@ def load_weights(model: nn.Module, source: ModelSource | str | Path,
               disable=not show_progress) as bar:
         for _path, open_file in files:
             with open_file() as tensors:
-                for hf_name, src in tensors:
-                    for name, shard_id in model.param_for(hf_name):
-                        param = params.get(name)
-                        if param is None:
-                            raise KeyError(
-                                f"checkpoint tensor {hf_name} has no place in the model "
-                                f"({name}); is config.json the right one for these weights?")
-                        loader = getattr(param, "weight_loader", _default_loader)
-                        with torch.no_grad():
-                            loader(param, src, shard_id)
-                        loaded.add(name)
+                loaded |= load_tensors(model, tensors, params)
             bar.update(1)
     missing = sorted(set(params) - loaded)
     if missing:
