@@ -237,7 +237,10 @@ class TensorReader(GGUFReader):
 def open_gguf(path: str) -> tuple[GGUFReader, str, int, int]:
     """A GGUF file's reader, architecture and (q, kv) head counts. Split files after the
     first carry no metadata: their heads come from the first (pass them on)."""
-    reader = TensorReader(path)
+    try:
+        reader: GGUFReader = TensorReader(path)
+    except Exception:  # noqa: BLE001 (another gguf's internals: its own reader says why)
+        reader = GGUFReader(path)
     arch = read_gguf_field(reader, "general.architecture")
     heads = read_gguf_field(reader, f"{arch}.attention.head_count") if arch else None
     kv = read_gguf_field(reader, f"{arch}.attention.head_count_kv") if arch else None
