@@ -317,3 +317,88 @@ def test_split_files_are_found_in_order(tmp_path):
     (tmp_path / "m-00003-of-00003.gguf").unlink()
     with pytest.raises(FileNotFoundError, match="m-00003-of-00003"):
         gguf_files(tmp_path / "m-00001-of-00003.gguf")
+
+
+# ---- architectures and split files: tiny checkpoints written as GGUF -------------------
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (Q and K rows, per head)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]) \
+        .swapaxes(1, 2).reshape(w.shape)
+
+
+def write_split_gguf(model_dir, arch: str, out_dir, parts: int = 2) -> list:
+    """The tiny checkpoint's tensors as llama.cpp names and lays them out (names from
+    gguf's TensorNameMap, experts stacked per layer, Llama's Q/K permuted), float32, cut
+    into ``parts`` split files of which only the first carries the metadata."""
+    import re
+
+    from safetensors.numpy import load_file
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    hf = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        hf.update(load_file(f))
+    tensors, experts = {}, {}
+    for name, w in sorted(hf.items()):
+        w = w.astype(np.float32)
+        m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = w
+            continue
+        base, kind = name.rsplit(".", 1)
+        # (llama.cpp's qwen3moe has no dense layers; the preset's mlp_only_layers one is
+        # named as Llama's dense MLP.)
+        g = tmap.get_name(base) or dense_map.get_name(base)
+        assert g is not None, name
+        if arch == "llama" and g.endswith((".attn_q", ".attn_k")):
+            w = _llama_cpp_permute(w, cfg.num_attention_heads if g.endswith("q")
+                                   else cfg.num_key_value_heads)
+        tensors[f"{g}.{kind}"] = w
+    for base, per in experts.items():
+        tensors[f"{tmap.get_name(base)}.weight"] = np.stack([per[e] for e in sorted(per)])
+    names = list(tensors)
+    paths = []
+    for i in range(parts):
+        path = out_dir / f"m-{i + 1:05d}-of-{parts:05d}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        if i == 0:
+            w.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+            w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+        w.add_uint16("split.no", i)
+        w.add_uint16("split.count", parts)
+        for name in names[i::parts]:
+            w.add_tensor(name, tensors[name], raw_dtype=Q.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("preset,arch", [("llama", "llama"), ("qwen2", "qwen2"),
+                                         ("qwen3", "qwen3"), ("qwen3-moe", "qwen3moe")])
+def test_architectures_from_split_gguf_load_like_safetensors(tiny, tmp_path, preset, arch):
+    """Each rank (tp 2) of a model loaded from llama.cpp-style split GGUF files equals the
+    same rank loaded from the HF checkpoint they were written from."""
+    from pathlib import Path
+
+    from nvllm.common.model_source import ModelSource
+
+    model_dir = Path(tiny(preset))
+    paths = write_split_gguf(model_dir, arch, tmp_path)
+    files = gguf_files(paths[1])  # any split names them all
+    assert files == paths
+    source = ModelSource(str(paths[0]), "gguf", str(model_dir), str(model_dir),
+                         tuple(map(str, files)))
+    cfg = AutoConfig.from_pretrained(model_dir)
+    for rank in range(2):
+        ours, ref = _model(None, cfg, rank, 2), _model(None, cfg, rank, 2)
+        load_weights(ours, source, show_progress=False)
+        load_weights(ref, model_dir, show_progress=False)
+        for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"{preset} rank {rank}: {name}"
