@@ -88,10 +88,10 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
 
 
 def load_weights(model: nn.Module, source: ModelSource | str | Path,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True) -> tuple[float, float]:
     """Load ``source`` (a ModelSource, or a checkpoint folder / .gguf path) into
-    ``model``, each parameter's weight_loader reading only its own shard; logs the time it
-    took and the process's peak memory."""
+    ``model``, each parameter's weight_loader reading only its own shard; logs and
+    returns the seconds it took and the process's peak RSS (MiB) by its end."""
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     t0 = time.perf_counter()
@@ -109,5 +109,7 @@ def load_weights(model: nn.Module, source: ModelSource | str | Path,
         raise KeyError(f"checkpoint lacks weights for: {missing[:8]}"
                        f"{' ...' if len(missing) > 8 else ''}")
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    seconds = time.perf_counter() - t0
     logger.info("weights of %s (%s, %d file(s)) loaded in %.2fs; peak RSS %.0f MiB",
-                source.path, source.format, len(files), time.perf_counter() - t0, peak_mib)
+                source.path, source.format, len(files), seconds, peak_mib)
+    return seconds, peak_mib

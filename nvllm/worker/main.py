@@ -226,7 +226,7 @@ def run_worker(spec: dict) -> None:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
         result_sock.send(worker_protocol.encode(worker_protocol.WorkerReady(
-            rank, "loaded", runner.available_kv_blocks())))
+            rank, "loaded", runner.available_kv_blocks(), *runner.load_stats)))
         reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,
                             threaded=device.type == "cuda")
         while True:
