@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def convert(model: str, out: pathlib.Path, dtype: str) -> pathlib.Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from nvllm.common.model_source import resolve_model_source
     from nvllm.launch.real_model import resolve_model_spec
@@ -30,9 +30,13 @@ def convert(model: str, out: pathlib.Path, dtype: str) -> pathlib.Path:
     if path.suffix != ".gguf":
         raise SystemExit(f"{path} is not a .gguf file")
     source = resolve_model_source(path)  # nvllm's converted metadata (config, tokenizer)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=getattr(torch, dtype))
-    hf.config.architectures = [type(hf).__name__]
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=torch.float32)
+    # transformers will not save a model it loaded from GGUF: move its weights into a
+    # plain one made from the converted config.
+    cfg = AutoConfig.from_pretrained(source.config_dir)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    hf.load_state_dict(gguf_model.state_dict())
     hf.save_pretrained(out)
     AutoTokenizer.from_pretrained(source.config_dir).save_pretrained(out)
     gen = pathlib.Path(source.config_dir) / "generation_config.json"
