@@ -129,15 +129,28 @@ def gguf_metadata_dir(first: Path) -> Path:
     return target
 
 
+# GGUF keys transformers 5's conversion leaves at the config class's default (Qwen3's
+# head_dim 128, Qwen3-MoE's moe_intermediate_size 768) whatever the file says.
+_MISSED_KEYS = {"attention.key_length": "head_dim",
+                "expert_feed_forward_length": "moe_intermediate_size"}
+
+
 def _convert_gguf_metadata(gguf_path: Path, out: Path) -> None:
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    arch = gguf_architecture(gguf_path)
+    reader = GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
                          f"supported: {sorted(GGUF_ARCHITECTURES)}")
     d, name = str(gguf_path.parent), gguf_path.name
     cfg = AutoConfig.from_pretrained(d, gguf_file=name)
+    for key, attr in _MISSED_KEYS.items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and hasattr(cfg, attr) and getattr(cfg, attr) != value:
+            setattr(cfg, attr, int(value))
+    del reader
     if not getattr(cfg, "architectures", None):
         cfg.architectures = [causal_lm_architecture(cfg.model_type)]
     if cfg.model_type == "mistral":
@@ -163,14 +176,9 @@ GGUF_ARCHITECTURES = {
 }
 
 
-def gguf_architecture(path: str | os.PathLike) -> str:
-    """A GGUF file's ``general.architecture`` (read through the memory map)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).get_field("general.architecture")
-    if field is None:
-        raise ValueError(f"{path} has no general.architecture: not a GGUF model file?")
-    return field.contents()
+def _field(reader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
 
 
 def causal_lm_architecture(model_type: str) -> str | None:

@@ -101,3 +101,31 @@ def test_bfloat16_within_top5_of_hf_float32(smollm2):
             top1 += t == int(top5[pos, 0])
             total += 1
     assert top1 / total >= 0.9, f"only {top1}/{total} tokens are HF's top-1"
+
+
+# ---- the other GGUF architectures: tiny checkpoints written as GGUF files ---------------
+
+
+# (llama: the real model above; qwen3's attention, q/k norms and head_dim from the file,
+# runs in qwen3moe.)
+@pytest.mark.parametrize("preset,arch", [("qwen2", "qwen2"),
+                                         ("qwen3-moe-all-sparse", "qwen3moe")])
+def test_tiny_gguf_file_generates_as_hf_on_its_folder(tiny, tmp_path, monkeypatch, preset,
+                                                      arch):
+    """A tiny checkpoint written as one GGUF file (metadata, tokenizer, llama.cpp's layout)
+    runs at tp 2 exactly as HF float32 on the folder it was written from."""
+    from tests.support.gguf_files import tiny_for_gguf, write_split_gguf
+
+    monkeypatch.setenv("NVLLM_GGUF_DIR", str(tmp_path / "cache"))
+    model_dir = tiny_for_gguf(tiny, tmp_path, preset)
+    [path] = write_split_gguf(model_dir, arch, tmp_path, parts=1, metadata=True)
+    texts = ["Once upon a time", "The capital of France is a city that",
+             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"]
+    with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=2,
+             **ENGINE) as llm:
+        outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=16),
+                            use_tqdm=False)
+    for out in outs:
+        ref = hf_ref.generate(str(model_dir), out.prompt_token_ids, 16)
+        why = hf_ref.greedy_mismatch(str(model_dir), out.prompt_token_ids, out.token_ids, ref)
+        assert why is None, why

@@ -32,6 +32,7 @@ from nvllm.worker.gguf_weights import (
 from nvllm.worker.loader import load_tensors, load_weights
 from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
+from tests.support.gguf_files import tiny_for_gguf, write_split_gguf
 from tests.support.hf_ref import hf_model
 
 
@@ -322,64 +323,6 @@ def test_split_files_are_found_in_order(tmp_path):
 # ---- architectures and split files: tiny checkpoints written as GGUF -------------------
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute (Q and K rows, per head)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]) \
-        .swapaxes(1, 2).reshape(w.shape)
-
-
-def write_split_gguf(model_dir, arch: str, out_dir, parts: int = 2) -> list:
-    """The tiny checkpoint's tensors as llama.cpp names and lays them out (names from
-    gguf's TensorNameMap, experts stacked per layer, Llama's Q/K permuted), float32, cut
-    into ``parts`` split files of which only the first carries the metadata."""
-    import re
-
-    from safetensors.numpy import load_file
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
-    dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    hf = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        hf.update(load_file(f))
-    tensors, experts = {}, {}
-    for name, w in sorted(hf.items()):
-        w = w.astype(np.float32)
-        m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
-        if m:
-            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = w
-            continue
-        base, kind = name.rsplit(".", 1)
-        # (llama.cpp's qwen3moe has no dense layers; the preset's mlp_only_layers one is
-        # named as Llama's dense MLP.)
-        g = tmap.get_name(base) or dense_map.get_name(base)
-        assert g is not None, name
-        if arch == "llama" and g.endswith((".attn_q", ".attn_k")):
-            w = _llama_cpp_permute(w, cfg.num_attention_heads if g.endswith("q")
-                                   else cfg.num_key_value_heads)
-        tensors[f"{g}.{kind}"] = w
-    for base, per in experts.items():
-        tensors[f"{tmap.get_name(base)}.weight"] = np.stack([per[e] for e in sorted(per)])
-    names = list(tensors)
-    paths = []
-    for i in range(parts):
-        path = out_dir / f"m-{i + 1:05d}-of-{parts:05d}.gguf"
-        w = gguf.GGUFWriter(str(path), arch)
-        if i == 0:
-            w.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
-            w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
-        w.add_uint16("split.no", i)
-        w.add_uint16("split.count", parts)
-        for name in names[i::parts]:
-            w.add_tensor(name, tensors[name], raw_dtype=Q.F32)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        paths.append(path)
-    return paths
-
-
 @pytest.mark.parametrize("preset,arch", [("llama", "llama"), ("qwen2", "qwen2"),
                                          ("qwen3", "qwen3"), ("qwen3-moe", "qwen3moe")])
 def test_architectures_from_split_gguf_load_like_safetensors(tiny, tmp_path, preset, arch):
@@ -402,3 +345,26 @@ def test_architectures_from_split_gguf_load_like_safetensors(tiny, tmp_path, pre
         load_weights(ref, model_dir, show_progress=False)
         for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), f"{preset} rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("preset,arch", [("llama", "llama"), ("qwen2", "qwen2"),
+                                         ("qwen3", "qwen3"),
+                                         ("qwen3-moe-all-sparse", "qwen3moe")])
+def test_gguf_metadata_gives_the_checkpoint_facts(tiny, tmp_path, monkeypatch, preset, arch):
+    """A tiny checkpoint written as one GGUF file with its metadata: the config and
+    tokenizer nvllm converts from it say what the HF folder says."""
+    from transformers import AutoTokenizer
+
+    from nvllm.common.config import EngineConfig
+
+    monkeypatch.setenv("NVLLM_GGUF_DIR", str(tmp_path / "cache"))
+    model_dir = tiny_for_gguf(tiny, tmp_path, preset)
+    [path] = write_split_gguf(model_dir, arch, tmp_path, parts=1, metadata=True)
+    ours = EngineConfig(str(path), device="cpu").finalize().model_info
+    want = EngineConfig(str(model_dir), device="cpu").finalize().model_info
+    ours.torch_dtype = want.torch_dtype  # GGUF keeps no "run" dtype
+    assert ours == want
+    tok, ref = (AutoTokenizer.from_pretrained(d) for d in
+                (resolve_model_source(path).tokenizer, model_dir))
+    text = "<|im_start|>user\nThe capital of France?<|im_end|>"
+    assert tok(text).input_ids == ref(text).input_ids
