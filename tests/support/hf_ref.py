@@ -26,9 +26,6 @@ def hf_model(model_dir: str):
 def hf_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
-    if model_dir.endswith(".gguf"):
-        p = pathlib.Path(model_dir)
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return AutoTokenizer.from_pretrained(model_dir)
 
 
