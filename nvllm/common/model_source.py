@@ -93,6 +93,11 @@ def gguf_files(path: str | os.PathLike) -> list[Path]:
     return parts
 
 
+# Bumped when _convert_gguf_metadata changes what it writes (folders made before are
+# then converted again, not reused).
+CONVERSION_VERSION = 1
+
+
 def gguf_cache_root() -> Path:
     env = os.environ.get("NVLLM_GGUF_DIR")
     return Path(env) if env else Path.home() / ".cache" / "nvllm" / "gguf"
@@ -108,8 +113,8 @@ def gguf_metadata_dir(first: Path) -> Path:
     first = first.resolve()
     st = first.stat()
     key = hashlib.sha256(json.dumps(
-        [str(first), st.st_size, st.st_mtime_ns, transformers.__version__]).encode()
-    ).hexdigest()[:16]
+        [str(first), st.st_size, st.st_mtime_ns, transformers.__version__,
+         CONVERSION_VERSION]).encode()).hexdigest()[:16]
     root = gguf_cache_root()
     target = root / f"{first.stem}-{key}"
     if (target / "config.json").is_file():
