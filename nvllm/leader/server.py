@@ -211,7 +211,8 @@ class EngineServer:
         if isinstance(msg, cp.InfoRequest):
             e = self.engine
             return self._send(client, cp.Info(
-                cp.PROTOCOL_VERSION, self.model_name, e.config.model, e.config.max_model_len,
+                cp.PROTOCOL_VERSION, self.model_name, e.config.source.tokenizer,
+                e.config.max_model_len,
                 e.vocab_size, e.capacity_tokens, e.config.block_size,
                 e.config.tensor_parallel_size, self.dead is None))
         if isinstance(msg, cp.HealthRequest):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import zmq
 
 from nvllm.common import plan_arrays, trace, worker_protocol
-from nvllm.common.config import EngineConfig, ModelInfo
+from nvllm.common.config import EngineConfig
 from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.transport import ArrayReader
@@ -184,7 +184,7 @@ def run_worker(spec: dict) -> None:
     rank, world = spec["rank"], spec["world_size"]
     config = EngineConfig(**dict(spec["config"]))
     config.model = spec.get("model_override") or config.model
-    config.model_info = ModelInfo.from_pretrained(config.model)
+    config.resolve_source()
     local_rank = spec.get("local_rank", rank)
     if config.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -226,7 +226,7 @@ def run_worker(spec: dict) -> None:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
         result_sock.send(worker_protocol.encode(worker_protocol.WorkerReady(
-            rank, "loaded", runner.available_kv_blocks())))
+            rank, "loaded", runner.available_kv_blocks(), *runner.load_stats)))
         reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,
                             threaded=device.type == "cuda")
         while True:

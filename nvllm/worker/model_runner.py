@@ -62,7 +62,7 @@ class ModelRunner:
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)  # a name in config.DTYPES
         self.block_size = config.block_size
-        hf_config = AutoConfig.from_pretrained(config.model)
+        hf_config = AutoConfig.from_pretrained(config.source.config_dir)
         arch = config.model_info.architecture
         self.backend = resolve_backend(config.attention_backend, device)
         with torch.device(device):
@@ -70,7 +70,9 @@ class ModelRunner:
                                               max(config.max_model_len, 1), self.backend,
                                               config.model_info.layer_windows,
                                               expert_parallel=config.enable_expert_parallel)
-        load_weights(self.model, config.model, show_progress=tp.rank == 0)
+        # (seconds, peak RSS MiB): reported to the leader, which logs them
+        self.load_stats = load_weights(self.model, config.source,
+                                       show_progress=tp.rank == 0)
         self.model.eval()
         if device.type == "cpu" and config.cpu_onednn_linear:
             pack_for_cpu(self.model)

@@ -150,3 +150,38 @@ def test_moe_facts_and_any_expert_split(tiny, tmp_path):
     EngineConfig(str(dst), device="cpu", tensor_parallel_size=4,
                  enable_expert_parallel=True).finalize()
     assert EngineConfig(str(tiny("qwen3")), device="cpu").finalize().model_info.num_experts == 0
+
+
+def test_architectures_from_model_type_as_auto_classes_do(qwen3):
+    cfg = json.loads((qwen3 / "config.json").read_text())
+    cfg.pop("architectures")
+    (qwen3 / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig(str(qwen3), device="cpu").finalize().model_info.architecture == \
+        "Qwen3ForCausalLM"
+    edit_config(qwen3, model_type="bert")
+    with pytest.raises(ValueError, match=r"architecture \['BertLMHeadModel'\] is not supported"):
+        EngineConfig(str(qwen3), device="cpu").finalize()
+
+
+def test_source_and_tokenizer_override(qwen3, tmp_path):
+    c = EngineConfig(str(qwen3), device="cpu").finalize()
+    assert (c.source.format, c.source.config_dir, c.source.tokenizer) == (
+        "hf", str(qwen3), str(qwen3))
+    assert [p.endswith(".safetensors") for p in c.source.weight_files] == [True]
+    c = EngineConfig(str(qwen3), device="cpu", tokenizer=str(tmp_path)).finalize()
+    assert c.source.tokenizer == str(tmp_path)
+    assert "source" not in c.to_dict() and c.to_dict()["tokenizer"] == str(tmp_path)
+
+
+def test_gguf_file_config_from_its_metadata_cached_once(smollm2, monkeypatch):
+    from nvllm.common import model_source
+
+    c = EngineConfig(smollm2, device="cpu").finalize()
+    info = c.model_info
+    assert c.source.format == "gguf" and c.source.weight_files == (smollm2,)
+    assert (info.architecture, info.num_attention_heads, info.num_key_value_heads,
+            info.head_dim, info.vocab_size, info.eos_token_ids) == (
+        "LlamaForCausalLM", 9, 3, 64, 49152, [2])
+    assert str(model_source.gguf_cache_root()) in c.source.config_dir
+    monkeypatch.setattr(model_source, "_convert_gguf_metadata", None)  # cached: not called
+    assert EngineConfig(smollm2, device="cpu").finalize().source == c.source

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from nvllm.common.config import EngineConfig
 from nvllm.launch.bench import throughput
 from nvllm.launch.cli import launch
-from nvllm.launch.options import engine_options
+from nvllm.launch.options import NOT_OPTIONS, engine_options
 
-SETTINGS = [f for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "model_info")]
+SETTINGS = [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_OPTIONS]
 
 
 class Captured(Exception):

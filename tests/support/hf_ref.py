@@ -5,14 +5,21 @@ the tolerance rounding allows them (logprob_tols)."""
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import torch
 
 
 @functools.cache
 def hf_model(model_dir: str):
+    """HF float32 model of a checkpoint folder, or of a .gguf file (transformers' own
+    dequantization of it), loaded once per test session."""
     from transformers import AutoModelForCausalLM
 
+    if model_dir.endswith(".gguf"):
+        p = pathlib.Path(model_dir)
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                    dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
