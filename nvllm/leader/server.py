@@ -313,10 +313,11 @@ class EngineServer:
             owner = self._owners.get(d.request_id)
             if owner is None:
                 continue
-            self._send(owner.client, cp.Output.of(d, owner.client_rid))
-            if self._trace is not None:
+            if self._trace is not None:  # stamped before the send: the client may stamp
+                # its receipt before this thread runs again
                 self._trace.message("out_sent", owner.client_rid, d.index,
                                     d.finish_reason is not None, step=out.step_of(k))
+            self._send(owner.client, cp.Output.of(d, owner.client_rid))
             if d.finish_reason is not None:
                 owner.remaining -= 1
                 if owner.remaining == 0:
