@@ -21,6 +21,7 @@ the CPU seconds per request are the figures to compare between runs.
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import json
 import os
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from statistics import median
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / "tests" / "support" / "load_clients.py"
@@ -75,10 +78,20 @@ def main() -> None:
                     help="comma-separated numbers of concurrent ZMQ streams (default: %(default)s)")
     ap.add_argument("--processes", type=int, default=4,
                     help="client processes sharing the streams (default: %(default)s)")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig field for the served engine (repeatable), e.g. "
+                         "cpu_threads=1; values are read as Python literals")
     ap.add_argument("--profile", metavar="DIR",
                     help="cProfile the leader's serve thread; DIR/leader-N.prof per size")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    options = {}
+    for kv in args.option:
+        key, _, value = kv.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
     sys.path.insert(0, str(ROOT))
     from nvllm import LLM
     from nvllm.launch.tiny import ensure_tiny_checkpoint
@@ -87,8 +100,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(ensure_tiny_checkpoint("qwen3", tmp)), device="cpu", dtype="float32",
                   max_num_seqs=256, max_num_batched_tokens=2048,
-                  max_queued_requests=max(sizes) + 100)
+                  max_queued_requests=max(sizes) + 100, **options)
         server = EngineServer(llm.engine)
+        engine = llm.engine
+        step_log: list[tuple[bool, float]] = []  # per applied result: (admits any, worker s)
+        admitting: deque[bool] = deque()  # per plan in flight
+        send, apply = engine._send, engine._apply_oldest_result
+
+        def logged_send(sched):
+            admitting.append(any(not seq.on_worker for seq, _ in sched.scheduled))
+            send(sched)
+
+        def logged_apply(out, cancelled):
+            apply(out, cancelled)
+            step_log.append((admitting.popleft(), engine.last_step.worker_time_s))
+        engine._send, engine._apply_oldest_result = logged_send, logged_apply
         stop = threading.Event()
         profiles: dict[int, cProfile.Profile] = {}
         current: list[int] = [0]
@@ -127,6 +153,7 @@ def main() -> None:
                 workers0 = sum(map(proc_cpu, workers))
                 kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 step0, wt0 = llm.engine.last_step.step_id, llm.engine.total_worker_s
+                step_log.clear()
                 t0 = time.monotonic()
                 got = run_clients(server.endpoint, n, args.processes)
                 wall = time.monotonic() - t0
@@ -141,12 +168,16 @@ def main() -> None:
                                      - kids0.ru_stime) / n,
                     worker_ms=1e3 * (sum(map(proc_cpu, workers)) - workers0) / n,
                     steps_per_req=steps / n,
-                    worker_ms_per_step=1e3 * (llm.engine.total_worker_s - wt0) / max(steps, 1)))
+                    worker_ms_per_step=1e3 * (llm.engine.total_worker_s - wt0) / max(steps, 1),
+                    admit_ms=1e3 * median([w for a, w in step_log if a] or [0]),
+                    decode_ms=1e3 * median([w for a, w in step_log if not a] or [0])))
                 r = rows[-1]
                 print(f"{n:>7} streams: {r['wall_s']:6.1f} s, {r['req_s']:6.0f} req/s; CPU ms "
                       f"per request: leader {r['leader_ms']:.3f}, clients {r['client_ms']:.3f}, "
                       f"workers {r['worker_ms']:.3f}; {r['steps_per_req']:.4f} steps/request, "
-                      f"workers {r['worker_ms_per_step']:.1f} ms/step", flush=True)
+                      f"workers {r['worker_ms_per_step']:.1f} ms/step (median: "
+                      f"{r['admit_ms']:.1f} admitting, {r['decode_ms']:.1f} decode-only)",
+                      flush=True)
             if args.profile:
                 current[0] = 0
                 switch.set()
