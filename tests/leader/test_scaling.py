@@ -3,8 +3,8 @@
 work_counter.py): the same steps, submits and aborts run with SMALL and then LARGE
 requests queued behind them, through the real EngineServer and LLMEngine over the fake
 worker group, and the Python lines they execute must stay within a few percent. A scan
-over every live request per step or per message makes the large run execute about
-LARGE / SMALL times the lines (test_the_check_sees_a_scan_over_live_requests).
+over every live request per step or per message makes the large run execute far more
+(one pass per step: twice the lines; test_the_check_sees_a_scan_over_live_requests).
 
 How it holds at the load test's sizes in wall-clock time: scripts/bench_load_scaling.py.
 """
@@ -54,33 +54,37 @@ def _submit(i: int) -> bytes:
 
 def _measure(serve_engine, live: int) -> dict[str, LineCounter]:
     """Queue `live` requests, then count the leader's lines for: STEPS steps (with their
-    outputs streamed), 40 more submits, aborts of 20 queued and 5 running requests, and a
-    few pings."""
+    outputs streamed), 40 more submits, 5 pings and the aborts of 20 queued and 5 running
+    requests, and the step after those."""
     engine, server, dealer = serve_engine(max_num_seqs=8)
     for i in range(live):
         dealer.send(_submit(i))
     while len(engine.requests) < live:
         server._drain(WAIT_MS)
-    counters = {k: LineCounter() for k in ("steps", "submits", "aborts", "pings")}
+    counters = {k: LineCounter() for k in ("steps", "submits", "aborts", "after")}
     with counters["steps"]:
         for _ in range(STEPS):
             server._step()
     for i in range(live, live + 40):
         dealer.send(_submit(i))
-    with counters["submits"]:
-        server._drain(WAIT_MS)
+    before = len(engine.requests)
+    with counters["submits"]:  # (frames may still be on their way: drain until all came)
+        while len(engine.requests) < before + 40:
+            server._drain(WAIT_MS)
     running = [s.request_id for s in engine.scheduler.running][:5]
     rids = [f"r{i}" for i in range(live - 20, live)] + [
         next(k for k, v in server._by_client[server_client(server)].items() if v == r)
         for r in running]
+    for _ in range(5):  # (first: frames are taken in order)
+        dealer.send(msgpack.packb({"op": "ping"}))
     for rid in rids:
         dealer.send(msgpack.packb({"op": "abort", "id": rid}))
-    for _ in range(5):
-        dealer.send(msgpack.packb({"op": "ping"}))
+    before = len(engine.requests)
     with counters["aborts"]:
-        server._drain(WAIT_MS)
-    with counters["pings"]:
-        server._step()  # the flush of what the aborts and pings sent
+        while len(engine.requests) > before - len(rids):
+            server._drain(WAIT_MS)
+    with counters["after"]:
+        server._step()  # the next step, with the flush of what the aborts and pings sent
     # The same work at both sizes: as many outputs and finished requests.
     msgs = []
     while dealer.poll(300):  # (all sent already: this only waits for the last to arrive)
@@ -99,7 +103,7 @@ def test_leader_work_per_request_does_not_grow_with_live_requests(serve_engine):
     small, large = _measure(serve_engine, SMALL), _measure(serve_engine, LARGE)
     assert small["outputs"] == large["outputs"] > 0
     assert large["live"] - small["live"] == LARGE - SMALL
-    for what in ("steps", "submits", "aborts", "pings"):
+    for what in ("steps", "submits", "aborts", "after"):
         a, b = small[what], large[what]
         print(f"{what}: {a.lines} lines with {SMALL} live requests, {b.lines} with {LARGE}")
         assert a.lines > 0
