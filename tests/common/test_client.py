@@ -116,3 +116,49 @@ def test_submits_carry_logit_bias_as_the_leader_decodes_it(params):
 
     frame = client_module._submit_msg("r", [1, 2], params, 0, None)
     assert cp.decode_client_frame(frame).params.logit_bias == {5: 2.0, 70000: -100.0}
+
+
+def test_async_client_work_per_message_does_not_grow_with_live_streams(leader):
+    """Issue 22: the same 25 streams' messages cost an AsyncClient the same work (Python
+    lines run in nvllm, asyncio and pyzmq, counted without a clock: tests/support/
+    work_counter.py) with 100 or 1,000 other streams open on it."""
+    import os
+
+    import zmq.asyncio
+    from work_counter import NVLLM, LineCounter
+
+    sock, endpoint = leader
+    roots = (NVLLM, os.path.dirname(asyncio.__file__), os.path.dirname(zmq.__file__))
+
+    async def measure(live: int) -> LineCounter:
+        c = AsyncClient(endpoint, timeout_s=60)
+
+        async def consume(rid: str) -> int:
+            return len([d async for d in c.stream([1, 2, 3], {"max_tokens": 2},
+                                                   request_id=rid)])
+        tasks = {rid: asyncio.ensure_future(consume(rid))
+                 for rid in (f"{live}-{i}" for i in range(live + 25))}
+        try:
+            ident, _ = await asyncio.to_thread(_submits, sock, live + 25)
+            counter = LineCounter(*roots)
+            measured = [tasks[f"{live}-{i}"] for i in range(live, live + 25)]
+            with counter:
+                for i in range(live, live + 25):
+                    sock.send_multipart([ident, _output(f"{live}-{i}", 0)])
+                    sock.send_multipart([ident, _output(f"{live}-{i}", 1, last=True)])
+                assert [await t for t in measured] == [2] * 25
+            return counter
+        finally:
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            c.close()
+
+    small, large = asyncio.run(measure(100)), asyncio.run(measure(1000))
+    print(f"{small.lines} lines with 100 streams open, {large.lines} with 1,000; "
+          f"top: {large.by_function.most_common(5)}")
+    assert small.lines > 0
+    # (+100: the pinger may run once more in one of the two windows)
+    assert large.lines <= 1.05 * small.lines + 100, (
+        f"{large.lines} lines with 1,000 streams open, {small.lines} with 100; grown: "
+        f"{large.grown(small, 1.05)}")
