@@ -114,13 +114,16 @@ class ShmAllReduce:
         ctrl, data, size = _layout(world, depth, slot_bytes)
         self._mm = mm
         self._pids = np.frombuffer(mm, np.uint64, 2 * world, PID_OFFSET).reshape(world, 2)
-        lines = np.frombuffer(mm, np.uint64, 2 * LINE * world // 8, ctrl).reshape(world, -1)
-        per_line = LINE // 8
-        self._published = lines[:, 0]
-        self._consumed = lines[:, per_line]
+        # The counters through a memoryview: indexing it is a plain 8-byte load or store
+        # and gives a Python int, several times cheaper than numpy's scalars.
+        self._words = memoryview(mm).cast("B").cast("Q")
+        per_rank = 2 * LINE // 8
+        self._pub = [ctrl // 8 + q * per_rank for q in range(world)]  # word indices
+        self._con = [i + LINE // 8 for i in self._pub]
         self._data = torch.frombuffer(mm, dtype=torch.uint8, count=size - data, offset=data)
-        self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
-        self._round = int(self._published[rank])
+        # (dtype, numel) -> per buffer, every rank's slot as a tensor of that shape
+        self._views: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
+        self._round = self._words[self._pub[rank]]
         self._pending: deque[int] = deque()
         self._peers: list[tuple[int, int, int]] = []  # (rank, pid, start time)
         self.rounds = 0  # calls served, for stats and tests
@@ -143,7 +146,8 @@ class ShmAllReduce:
 
     def close(self) -> None:
         self._views.clear()
-        self._data = self._pids = self._published = self._consumed = None
+        self._data = self._pids = None
+        self._words.release()
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view; it goes when they do
@@ -155,14 +159,17 @@ class ShmAllReduce:
         return (x.device.type == "cpu" and x.dtype in DTYPES and x.is_contiguous()
                 and x.numel() * x.element_size() <= self.slot_bytes)
 
-    def _slot(self, buf: int, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        views = self._views.get(dtype)
+    def _slots(self, buf: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        """Every rank's slot in buffer `buf`, as flat tensors of numel `dtype`s."""
+        views = self._views.get((dtype, numel))
         if views is None:
-            n = self.slot_bytes
-            views = self._views[dtype] = [
-                [self._data[(b * self.world + q) * n:(b * self.world + q + 1) * n].view(dtype)
-                 for q in range(self.world)] for b in range(self.depth)]
-        return views[buf][rank][:numel]
+            if len(self._views) > 256:  # shapes come from a few dozen step sizes
+                self._views.clear()
+            n, nbytes = self.slot_bytes, numel * dtype.itemsize
+            views = self._views[(dtype, numel)] = [
+                [self._data[(b * self.world + q) * n:(b * self.world + q) * n + nbytes]
+                 .view(dtype) for q in range(self.world)] for b in range(self.depth)]
+        return views[buf]
 
     # ---- rounds ------------------------------------------------------------------------
 
@@ -174,10 +181,10 @@ class ShmAllReduce:
             raise RuntimeError(f"more than {self.depth} shared-memory rounds in flight")
         r = self._round + 1
         if r > self.depth:
-            self._wait(self._consumed, r - self.depth, "to free a buffer")
+            self._wait(self._con, r - self.depth, "to free a buffer")
         if x is not None:
-            self._slot(r % self.depth, self.rank, x.dtype, x.numel()).copy_(x)
-        self._published[self.rank] = r  # after the data: x86 keeps store order
+            self._slots(r % self.depth, x.dtype, x.numel())[self.rank].copy_(x)
+        self._words[self._pub[self.rank]] = r  # after the data: x86 keeps store order
         self._round = r
         self._pending.append(r)
         return r
@@ -187,15 +194,14 @@ class ShmAllReduce:
             raise RuntimeError(f"shared-memory rounds must finish in the order they "
                                f"started: {r} finished, {list(self._pending)} open")
         self._pending.popleft()
-        self._consumed[self.rank] = r
+        self._words[self._con[self.rank]] = r
         self.rounds += 1
 
     def finish(self, r: int, x: torch.Tensor) -> torch.Tensor:
         """End all-reduce round r: x (the flat tensor passed to ``start``) becomes the sum
         of every rank's input, added in rank order."""
-        self._wait(self._published, r, "to publish its input")
-        b, n = r % self.depth, x.numel()
-        slots = [self._slot(b, q, x.dtype, n) for q in range(self.world)]
+        self._wait(self._pub, r, "to publish its input")
+        slots = self._slots(r % self.depth, x.dtype, x.numel())
         torch.add(slots[0], slots[1], out=x)
         for s in slots[2:]:
             x.add_(s)
@@ -215,9 +221,8 @@ class ShmAllReduce:
         flat = x.view(-1)
         r = self.start(flat if self.rank == root else None)
         if self.rank != root:
-            self._wait(self._published[root:root + 1], r, "to publish its input",
-                       offset=root)
-            flat.copy_(self._slot(r % self.depth, root, x.dtype, flat.numel()))
+            self._wait(self._pub[root:root + 1], r, "to publish its input")
+            flat.copy_(self._slots(r % self.depth, x.dtype, flat.numel())[root])
         self._done(r)
         return x
 
@@ -228,22 +233,29 @@ class ShmAllReduce:
         r = self.start(x.view(-1))
         out = None
         if self.rank == 0:
-            self._wait(self._published, r, "to publish its input")
-            out = combine([self._slot(r % self.depth, q, x.dtype, x.numel()).view(x.shape)
-                           for q in range(self.world)])
+            self._wait(self._pub, r, "to publish its input")
+            out = combine([s.view(x.shape) for s in
+                           self._slots(r % self.depth, x.dtype, x.numel())])
         self._done(r)
         return out
 
     # ---- waiting -------------------------------------------------------------------------
 
-    def _wait(self, counters: np.ndarray, target: int, what: str, offset: int = 0) -> None:
-        """Until every counter >= target."""
-        if counters.min() >= target:
+    def _arrived(self, counters: list[int], target: int) -> bool:
+        words = self._words
+        for i in counters:
+            if words[i] < target:
+                return False
+        return True
+
+    def _wait(self, counters: list[int], target: int, what: str) -> None:
+        """Until every counter (word indices) >= target."""
+        if self._arrived(counters, target):
             return
         t0 = now = time.perf_counter()
         spin_end, yield_end = t0 + self.spin_s, t0 + self.yield_s
         next_check = t0 + CHECK_S
-        while counters.min() < target:
+        while not self._arrived(counters, target):
             now = time.perf_counter()
             if now < spin_end:
                 continue
@@ -253,11 +265,11 @@ class ShmAllReduce:
                 time.sleep(self.sleep_s)
             if now >= next_check:
                 next_check = now + CHECK_S
-                self._check(counters, target, what, offset, now - t0)
+                self._check(counters, target, what, now - t0)
 
-    def _check(self, counters: np.ndarray, target: int, what: str, offset: int,
-               waited: float) -> None:
-        late = [offset + i for i, c in enumerate(counters) if c < target]
+    def _check(self, counters: list[int], target: int, what: str, waited: float) -> None:
+        late = [self._pub.index(i) if i in self._pub else self._con.index(i)
+                for i in counters if self._words[i] < target]
         for q, pid, start in self._peers:
             if q in late and _start_time(pid) != start:
                 raise ShmAllReduceError(
