@@ -69,6 +69,16 @@ CHECK_S = 0.1  # how often a long wait checks the deadline and the peers' pids
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 
 
+def wait_phases() -> tuple[float, float, float]:
+    """(spin, yield, sleep) seconds: the defaults, or $NVLLM_SHM_WAIT_US ("spin,yield,
+    sleep" in microseconds; for measuring, scripts/bench_allreduce.py)."""
+    env = os.environ.get("NVLLM_SHM_WAIT_US")
+    if not env:
+        return SPIN_S, YIELD_S, SLEEP_S
+    spin, yld, sleep = (float(v) * 1e-6 for v in env.split(","))
+    return spin, yld, sleep
+
+
 class ShmAllReduceError(RuntimeError):
     """A peer died or did not arrive within the timeout."""
 
@@ -110,7 +120,7 @@ class ShmAllReduce:
                  timeout_s: float) -> None:
         self.rank, self.world, self.depth, self.slot_bytes = rank, world, depth, slot_bytes
         self.timeout_s = timeout_s
-        self.spin_s, self.yield_s, self.sleep_s = SPIN_S, YIELD_S, SLEEP_S
+        self.spin_s, self.yield_s, self.sleep_s = wait_phases()
         ctrl, data, size = _layout(world, depth, slot_bytes)
         self._mm = mm
         self._pids = np.frombuffer(mm, np.uint64, 2 * world, PID_OFFSET).reshape(world, 2)
