@@ -59,8 +59,10 @@ MAGIC, VERSION = b"NVLLMAR1", 1
 _HDR = struct.Struct("<8s6Q16s")
 PID_OFFSET = 128
 LINE = 64  # a cache line: each rank's counters sit on lines of their own
-SLOT_BYTES = 1 << 20  # the largest tensor a call takes (per rank); larger ones use gloo
 DEPTH = 2  # buffers: rounds that may be in flight (TPContext.run starts two)
+# The largest tensor a call takes (per rank; larger ones use gloo): 4 MiB, less beyond 4
+# ranks so that the segment stays within 32 MiB of /dev/shm.
+MAX_SLOT_BYTES, MAX_SEGMENT_BYTES = 4 << 20, 32 << 20
 # Waiting (measured on a 2-core VM with the leader and two ranks, docs/benchmarks.md).
 SPIN_S = 20e-6  # busy-poll this long first
 YIELD_S = 200e-6  # then os.sched_yield() until this long
@@ -87,6 +89,10 @@ def supported_here() -> bool:
     """x86 (total store order: see the module doc) with POSIX shared memory."""
     return _posixshmem is not None and platform.machine().lower() in (
         "x86_64", "amd64", "i386", "i686")
+
+
+def slot_bytes_for(world: int, depth: int = DEPTH) -> int:
+    return min(MAX_SLOT_BYTES, MAX_SEGMENT_BYTES // (depth * world) // LINE * LINE)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -316,7 +322,7 @@ def _open(name: str, size: int) -> mmap.mmap:
 
 
 def attach(name: str, rank: int, world: int, group, timeout_s: float,
-           slot_bytes: int = SLOT_BYTES, depth: int = DEPTH) -> ShmAllReduce | None:
+           slot_bytes: int | None = None, depth: int = DEPTH) -> ShmAllReduce | None:
     """Collective over `group` (gloo; every rank calls it with the same arguments but
     rank): map segment `name` on every rank, or on none (returns None: keep gloo). The
     segment is unlinked before this returns."""
@@ -324,6 +330,7 @@ def attach(name: str, rank: int, world: int, group, timeout_s: float,
 
     if not NAME_RE.fullmatch(name):
         raise ValueError(f"not an nvllm segment name: {name!r}")
+    slot_bytes = slot_bytes or slot_bytes_for(world, depth)
     _, _, size = _layout(world, depth, slot_bytes)
     mm, why = None, ""
     nonce = secrets.token_bytes(16)
