@@ -195,6 +195,11 @@ class EngineConfig:
               "while the other computes.")
     micro_batch_min_tokens: int = _setting(
         256, "Smallest step (in tokens) that is cut into micro-batches.")
+    cpu_shm_allreduce: bool = _setting(
+        True, "CPU, tensor parallel with every rank on one host (x86): all-reduces, the "
+              "sampled tokens' broadcast and the logits' gather of up to 4 MiB per rank (less "
+              "beyond 4 ranks: 32 MiB in all) go through a shared-memory segment instead of "
+              "gloo (larger ones, and ranks on several hosts, stay on gloo).")
     enforce_eager: bool = _setting(
         False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (debugging, "
                "or to save their memory).")

@@ -31,6 +31,7 @@ from typing import Any
 
 from nvllm.common.config import DistConfig, EngineConfig
 from nvllm.common.proc import stop_on_signals
+from nvllm.common.shm_segments import new_segment_name, unlink_segment
 from nvllm.common.zmq_utils import check_curve_bind, private_ipc_dir
 from nvllm.leader.worker_client import WorkerGroupClient
 
@@ -124,6 +125,7 @@ class WorkerGroup:
     procs: dict[int, subprocess.Popen]  # rank -> process, for ranks started on this node
     tmpdir: str | None = None  # one host: the FileStore and the ipc sockets (mode 0700)
     store: Any = None  # keeps a hosted TCPStore alive for the group's lifetime
+    shm_name: str | None = None  # the ranks' all-reduce segment (rank 0 unlinks it early)
     stopped: bool = field(default=False)
 
     @property
@@ -145,6 +147,8 @@ class WorkerGroup:
         self.client.close()
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self.shm_name:  # rank 0 died before unlinking it
+            unlink_segment(self.shm_name)
 
 
 def check_worker_bind(dist: DistConfig) -> str:
@@ -182,6 +186,8 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
             shutil.rmtree(tmpdir, ignore_errors=True)
         raise
     store = None
+    shm_name = (new_segment_name("ar") if config.cpu_shm_allreduce and config.device == "cpu"
+                and tp > 1 and dist.nnodes == 1 else None)
     try:
         spec: dict[str, Any] = {
             "world_size": tp, "config": config.to_dict(),
@@ -189,6 +195,9 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
             "plan_endpoints": client.plan_endpoints, "result_endpoint": client.result_endpoint,
             "heartbeat_endpoint": client.heartbeat_endpoint,
             "curve_key_dir": dist.curve_key_dir,
+            # CPU ranks that turn out to share this host all-reduce through this segment
+            # (nvllm/worker/shm_allreduce.py: rank 0 creates it, all map it, or none).
+            "shm_allreduce": shm_name,
         }
         if dist.uses_store:
             from torch.distributed import TCPStore
@@ -221,7 +230,7 @@ def start_worker_group(config: EngineConfig, dist: DistConfig | None = None) -> 
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
         raise
-    group = WorkerGroup(client, procs, tmpdir, store)
+    group = WorkerGroup(client, procs, tmpdir, store, shm_name)
     client.liveness_check = group.liveness
     if procs:
         logger.info("started %d local worker(s): pids %s", len(procs), group.pids)

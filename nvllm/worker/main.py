@@ -40,6 +40,7 @@ from nvllm.common.zmq_utils import make_socket
 from nvllm.worker.cpu_malloc import keep_freed_memory
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
+from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
 
 logger = logging.getLogger("nvllm.worker")
 
@@ -215,13 +216,16 @@ def run_worker(spec: dict) -> None:
                                 config.heartbeat_timeout_s, secure, stop_heartbeats))
     hb.start()
     step_id = 0
-    reader = None
+    reader = tp = None
     tr = trace.tracer("worker") if rank == 0 else None  # rank 0 sends the results
     arrays = ArrayReader()  # maps the leader's plan ring (read-only) on first use
     try:
         if world > 1:
             init_distributed(spec, backend, config.step_timeout_s)
             tp = TPContext(rank, world, dist.group.WORLD)
+            if device.type == "cpu" and spec.get("shm_allreduce"):
+                tp.shm = attach_shm_allreduce(spec["shm_allreduce"], rank, world, tp.group,
+                                              config.step_timeout_s)
         else:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
@@ -273,6 +277,8 @@ def run_worker(spec: dict) -> None:
         arrays.close()
         stop_heartbeats.set()
         hb.join(timeout=2)
+        if tp is not None and tp.shm is not None:
+            tp.shm.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -125,3 +125,144 @@ def uneven_vocab(rank: int, world: int) -> bool:
     else:
         ok = ok and logits is None
     return ok
+
+
+# ---- rank functions used by tests/worker/test_shm_allreduce.py ---------------------------
+
+
+def _attach(rank: int, world: int, name: str, **kw):
+    import torch.distributed as dist
+
+    from nvllm.worker.shm_allreduce import attach
+
+    return attach(name, rank, world, dist.group.WORLD, kw.pop("timeout_s", 60.0), **kw)
+
+
+def shm_rounds(rank: int, world: int, name: str, rounds: int, slot_floats: int) -> dict:
+    """Many all-reduces back to back through TPContext (shared memory up to the slot,
+    gloo beyond), each rank sleeping at random now and then so that the ranks drift apart:
+    every result must equal the sum of the ranks' inputs taken in rank order, bit for bit
+    (every rank draws every rank's input from the same seeds). Also broadcasts and
+    gathers. Returns what it saw, and a digest of its results to compare across ranks."""
+    import hashlib
+    import os
+    import random
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from nvllm.worker.parallel import TPContext
+
+    shm = _attach(rank, world, name, slot_bytes=slot_floats * 4)
+    assert shm is not None, "the ranks of one host must get the shared-memory path"
+    gone = not os.path.exists(f"/dev/shm/{name}")
+    tp = TPContext(rank, world, dist.group.WORLD, shm)
+    jitter = random.Random(rank)
+    digest = hashlib.sha256()
+    exact = True
+    sizes = [1, 7, 576, 4096, slot_floats, slot_floats + 1, 3 * slot_floats]
+    via_shm = via_gloo = 0
+    for i in range(rounds):
+        n = sizes[i % len(sizes)]
+        dtype = torch.bfloat16 if i % 5 == 4 else torch.float32
+        inputs = [torch.randn(n, generator=torch.Generator().manual_seed(i * 100 + q))
+                  .to(dtype) for q in range(world)]
+        want = inputs[0] + inputs[1]
+        for t in inputs[2:]:
+            want = want + t
+        if jitter.random() < 0.2:
+            time.sleep(jitter.random() * 2e-3)
+        before = shm.rounds
+        got = tp.all_reduce(inputs[rank].clone())
+        if shm.rounds > before:
+            via_shm += 1
+            exact &= torch.equal(got, want)  # bit for bit: the rank-order sum
+        else:
+            via_gloo += 1
+            # gloo adds in its own order: within rounding (bf16: 2 ulps at |x| < 8)
+            tol = 0.07 if dtype == torch.bfloat16 else 1e-5
+            exact &= torch.allclose(got.float(), want.float(), rtol=0, atol=tol)
+        digest.update(got.view(torch.uint8 if dtype == torch.float32 else torch.int16)
+                      .numpy().tobytes())
+        if i % 7 == 0:  # the sampled tokens' broadcast
+            toks = torch.arange(n % 9 + 1) * 3 + i if rank == 0 else torch.full(
+                (n % 9 + 1,), -1, dtype=torch.long)
+            exact &= tp.broadcast_from_first(toks).tolist() == list(
+                range(i, i + 3 * (n % 9 + 1), 3))
+        if i % 11 == 0:  # the logits' gather, uneven widths
+            widths = [5 + q for q in range(world)]
+            part = torch.full((2, widths[rank]), float(rank + i))
+            cat = tp.gather_to_first(part, widths)
+            if rank == 0:
+                exact &= torch.equal(cat, torch.cat([torch.full((2, w), float(q + i))
+                                                     for q, w in enumerate(widths)], -1))
+            else:
+                exact &= cat is None
+    shm.close()
+    return {"exact": exact, "gone": gone, "via_shm": via_shm, "via_gloo": via_gloo,
+            "digest": digest.hexdigest()}
+
+
+def shm_overlap_vs_sync(rank: int, world: int, name: str) -> bool:
+    """TPContext.run's two interleaved passes through shared memory give what one pass at
+    a time gives, on every rank alike."""
+    import torch
+    import torch.distributed as dist
+
+    from nvllm.worker.parallel import TPContext
+
+    shm = _attach(rank, world, name)
+    tp = TPContext(rank, world, dist.group.WORLD, shm)
+    before = shm.rounds
+    together = tp.run([_pass(rank, 1, 5, 3), _pass(rank, 2, 5, 4)])
+    used = shm.rounds - before == 10
+    alone = [tp.run([_pass(rank, seed, st, rows)])[0] for seed, st, rows in ((1, 5, 3),
+                                                                             (2, 5, 4))]
+    three = tp.run([_pass(rank, 1, 5, 3), _pass(rank, 2, 5, 4), _pass(rank, 3, 2, 1)])
+    same = all(torch.equal(a, b) for a, b in zip(together, alone))
+    same &= all(torch.equal(a, b) for a, b in zip(three, alone))
+    gathered = [torch.empty_like(together[0]) for _ in range(world)]
+    dist.all_gather(gathered, together[0])
+    shm.close()
+    return used and same and all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def shm_peer_dies(rank: int, world: int, name: str, how: str) -> str:
+    """Rank 1 stops taking part after a few rounds ("exit": its process ends; "stall": it
+    sleeps past rank 0's timeout); rank 0's next all-reduce must raise, not hang."""
+    import time
+
+    import torch
+
+    from nvllm.worker.shm_allreduce import ShmAllReduceError
+
+    shm = _attach(rank, world, name, timeout_s=1.5)
+    for _ in range(5):
+        shm.all_reduce(torch.ones(576))
+    if rank != 0:
+        if how == "stall":
+            time.sleep(4)
+        return "left"  # the process then exits
+    t0 = time.monotonic()
+    try:
+        shm.all_reduce(torch.ones(576))
+    except ShmAllReduceError as e:
+        return f"{time.monotonic() - t0:.2f} {e}"
+    return "no error"
+
+
+def shm_not_everywhere(rank: int, world: int, name: str, other: str) -> list:
+    """Rank 1 cannot map rank 0's segment (here: it looks for another name, as a rank on
+    another host would): every rank keeps gloo, and the segment is gone."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from nvllm.worker.parallel import TPContext
+
+    shm = _attach(rank, world, name if rank == 0 else other)
+    tp = TPContext(rank, world, dist.group.WORLD, shm)
+    x = tp.all_reduce(torch.full((4,), float(rank + 1)))
+    return [shm is None, os.path.exists(f"/dev/shm/{name}"), x.tolist()]
