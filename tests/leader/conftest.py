@@ -4,6 +4,7 @@ tests/support/fake_workers.py)."""
 from __future__ import annotations
 
 import pytest
+import zmq
 from fake_workers import BLOCK, NUM_BLOCKS, FakeWorkers
 from leader_sim import Sim, assert_no_leak
 from transformers import AutoTokenizer
@@ -70,3 +71,28 @@ def make_engine(tiny, tokenizer, scheduling):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         engine.shutdown()
         assert isinstance(engine.workers.other[-1], protocol.Shutdown)
+
+
+@pytest.fixture
+def serve_engine(make_engine):
+    """serve_engine(**engine_options) -> (engine, server, dealer): a server on 127.0.0.1
+    (random port) and a client for it, closed after the test."""
+    from nvllm.leader.server import EngineServer
+
+    opened = []
+
+    def factory(**overrides):
+        engine, _ = make_engine(**overrides)
+        server = EngineServer(engine, host="127.0.0.1", port=0)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        opened.append((server, ctx, dealer))
+        dealer.connect(server.endpoint)
+        return engine, server, dealer
+
+    yield factory
+    for server, ctx, dealer in opened:
+        dealer.close(0)
+        ctx.term()
+        server.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-import zmq
 from fake_workers import prompt_ids
 from work_counter import LineCounter
 
@@ -21,30 +20,6 @@ SMALL, LARGE = 100, 1000
 STEPS = 12
 TOLERANCE = 1.05  # heaps are O(log n): a deeper heap runs the same Python lines
 WAIT_MS = 5000
-
-
-@pytest.fixture
-def serve_engine(make_engine):
-    """serve_engine(**engine_options) -> (engine, server, dealer), as test_server.py's."""
-    from nvllm.leader.server import EngineServer
-
-    opened = []
-
-    def factory(**overrides):
-        engine, _ = make_engine(**overrides)
-        server = EngineServer(engine, host="127.0.0.1", port=0)
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        opened.append((server, ctx, dealer))
-        dealer.connect(server.endpoint)
-        return engine, server, dealer
-
-    yield factory
-    for server, ctx, dealer in opened:
-        dealer.close(0)
-        ctx.term()
-        server.close()
 
 
 def _submit(i: int) -> bytes:

@@ -20,29 +20,6 @@ VERSION = 1  # of the client protocol (docs/protocol.md)
 
 
 @pytest.fixture
-def serve_engine(make_engine):
-    """serve_engine(**engine_options) -> (engine, server, dealer): a server on 127.0.0.1
-    (random port) and a client for it, closed after the test."""
-    opened = []
-
-    def factory(**overrides):
-        engine, _ = make_engine(**overrides)
-        server = EngineServer(engine, host="127.0.0.1", port=0)
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        opened.append((server, ctx, dealer))
-        dealer.connect(server.endpoint)
-        return engine, server, dealer
-
-    yield factory
-    for server, ctx, dealer in opened:
-        dealer.close(0)
-        ctx.term()
-        server.close()
-
-
-@pytest.fixture
 def connected(serve_engine):
     return serve_engine()
 
