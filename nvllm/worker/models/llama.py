@@ -13,6 +13,7 @@ from collections.abc import Generator
 import torch
 from torch import nn
 
+from nvllm.kernels import ops
 from nvllm.kernels.metadata import AttentionMetadata
 from nvllm.worker.layers.activation import SiluAndMul
 from nvllm.worker.layers.attention import Attention
@@ -22,6 +23,7 @@ from nvllm.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    linear,
 )
 from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
 from nvllm.worker.parallel import TPContext
@@ -50,6 +52,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, backend, window)
         self.qk_norm = qk_norm
+        self.backend = backend
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
@@ -57,7 +60,15 @@ class DecoderAttention(nn.Module):
     def partial(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's partial sum (all-reduce, then o_proj.finish)."""
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj, self.qkv_proj.bias)
+        if not self.qk_norm:  # decode-only steps on the cpu backend: one native call
+            attn, rot = self.attn, self.rotary_emb
+            o = ops.decode_attention_qkv(qkv, positions, rot.cos, rot.sin, self.num_heads,
+                                         self.num_kv_heads, attn.k_cache, attn.v_cache, meta,
+                                         attn.scale, self.backend, attn.layer_idx,
+                                         attn.window)
+            if o is not None:
+                return linear(o, self.o_proj)
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
                              self.num_kv_heads * d], dim=-1)
@@ -83,7 +94,8 @@ class DecoderMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to down_proj's partial sum (all-reduce, then down_proj.finish)."""
-        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
+        gu = linear(x, self.gate_up_proj, self.gate_up_proj.bias)
+        return linear(ops.silu_and_mul(gu, self.act_fn.backend), self.down_proj)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         return self.down_proj.finish(y)
@@ -105,13 +117,17 @@ class DecoderLayer(nn.Module):
                                                 backend)
 
     def stages(self, positions, x, residual, meta) -> Stages:
+        # Module methods are called directly (no nn.Module.__call__) and the residual adds
+        # run in place where the backend can: at one decoding row these hops, not the
+        # arithmetic, were most of a layer's time outside its GEMMs.
+        attn = self.self_attn
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm.forward(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn.o_proj.finish((yield self.self_attn.partial(positions, x, meta)))
-        x, residual = self.post_attention_layernorm(x, residual)
+            x, residual = self.input_layernorm.add_norm_(x, residual)
+        x = attn.o_proj.finish((yield attn.partial(positions, x, meta)))
+        x, residual = self.post_attention_layernorm.add_norm_(x, residual)
         x = self.mlp.finish((yield self.mlp.partial(x)))
         return x, residual
 
