@@ -32,6 +32,18 @@ from nvllm.worker.parallel import TPContext
 Stages = Generator[torch.Tensor, torch.Tensor, object]
 
 
+def _hot(m: nn.Module, *names: str) -> tuple:
+    """m's submodules `names`, kept as a plain tuple in m.__dict__ from the first call on:
+    each nn.Module.__getattr__ of a submodule or parameter costs about 1 µs, some twenty
+    of them a layer on the decode path (submodules are not reassigned after the first
+    forward)."""
+    t = m.__dict__.get("_hot_modules")
+    if t is None:
+        t = tuple(m._modules[n] for n in names)
+        object.__setattr__(m, "_hot_modules", t)
+    return t
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg, tp: TPContext, dtype: torch.dtype, rotary: RotaryEmbedding,
                  backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
@@ -60,15 +72,16 @@ class DecoderAttention(nn.Module):
     def partial(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's partial sum (all-reduce, then o_proj.finish)."""
-        qkv = linear(x, self.qkv_proj, self.qkv_proj.bias)
+        qkv_proj, o_proj, attn, rot = _hot(self, "qkv_proj", "o_proj", "attn", "rotary_emb")
+        qkv = linear(x, qkv_proj, qkv_proj.bias)
         if not self.qk_norm:  # decode-only steps on the cpu backend: one native call
-            attn, rot = self.attn, self.rotary_emb
-            o = ops.decode_attention_qkv(qkv, positions, rot.cos, rot.sin, self.num_heads,
-                                         self.num_kv_heads, attn.k_cache, attn.v_cache, meta,
-                                         attn.scale, self.backend, attn.layer_idx,
-                                         attn.window)
+            tables = rot._buffers
+            o = ops.decode_attention_qkv(qkv, positions, tables["cos"], tables["sin"],
+                                         self.num_heads, self.num_kv_heads, attn.k_cache,
+                                         attn.v_cache, meta, attn.scale, self.backend,
+                                         attn.layer_idx, attn.window)
             if o is not None:
-                return linear(o, self.o_proj)
+                return linear(o, o_proj)
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
                              self.num_kv_heads * d], dim=-1)
@@ -94,11 +107,11 @@ class DecoderMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to down_proj's partial sum (all-reduce, then down_proj.finish)."""
-        gu = linear(x, self.gate_up_proj, self.gate_up_proj.bias)
-        return linear(ops.silu_and_mul(gu, self.act_fn.backend), self.down_proj)
+        gate_up, down, act = _hot(self, "gate_up_proj", "down_proj", "act_fn")
+        return linear(ops.silu_and_mul(linear(x, gate_up, gate_up.bias), act.backend), down)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.finish(y)
+        return _hot(self, "gate_up_proj", "down_proj", "act_fn")[1].finish(y)
 
 
 class DecoderLayer(nn.Module):
@@ -120,15 +133,17 @@ class DecoderLayer(nn.Module):
         # Module methods are called directly (no nn.Module.__call__) and the residual adds
         # run in place where the backend can: at one decoding row these hops, not the
         # arithmetic, were most of a layer's time outside its GEMMs.
-        attn = self.self_attn
+        attn, mlp, norm1, norm2 = _hot(self, "self_attn", "mlp", "input_layernorm",
+                                       "post_attention_layernorm")
         if residual is None:
             residual = x
-            x = self.input_layernorm.forward(x)
+            x = norm1.forward(x)
         else:
-            x, residual = self.input_layernorm.add_norm_(x, residual)
-        x = attn.o_proj.finish((yield attn.partial(positions, x, meta)))
-        x, residual = self.post_attention_layernorm.add_norm_(x, residual)
-        x = self.mlp.finish((yield self.mlp.partial(x)))
+            x, residual = norm1.add_norm_(x, residual)
+        x = _hot(attn, "qkv_proj", "o_proj", "attn", "rotary_emb")[1].finish(
+            (yield attn.partial(positions, x, meta)))
+        x, residual = norm2.add_norm_(x, residual)
+        x = mlp.finish((yield mlp.partial(x)))
         return x, residual
 
 
