@@ -216,8 +216,11 @@ class Scheduler:
         p = seq.params
         # A constrained sequence samples a stop token before min_tokens only when its
         # grammar allows nothing else (nvllm/worker/sampler.py): it ends there.
+        stop_ids = seq.stop_ids
+        if stop_ids is None:
+            stop_ids = seq.stop_ids = frozenset(p.all_stop_token_ids())
         if ((seq.num_output_tokens >= p.min_tokens or p.structured_outputs is not None)
-                and token in p.all_stop_token_ids()):
+                and token in stop_ids):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

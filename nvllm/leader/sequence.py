@@ -49,6 +49,8 @@ class Sequence:
     # Prompt tokens served from the prefix cache at the first admission (usage).
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # params.all_stop_token_ids(), taken once by the scheduler's stop check (per token).
+    stop_ids: frozenset[int] | None = None
     # Structured output: the leader's CompiledGrammar (nvllm/leader/grammar.py), whose key
     # the workers' copy of the sampling parameters names.
     grammar: Any = None
