@@ -21,12 +21,29 @@ CONTEXT_TOKENS = 5
 Decode = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
 
 
+# transformers' generic fast-tokenizer modules, whose decode is the backend's text plus
+# the optional clean-up (v4: tokenization_utils_fast; v5: tokenization_utils_tokenizers).
+_GENERIC_DECODE = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_fast",
+                   "transformers.tokenization_utils_tokenizers")
+
+
+def _decode_is_generic(tokenizer) -> bool:
+    """Neither ``decode`` nor ``_decode`` is a model tokenizer's own override."""
+    mro = type(tokenizer).__mro__
+    for name in ("decode", "_decode"):
+        owner = next((k for k in mro if name in vars(k)), None)
+        if owner is None or owner.__module__ not in _GENERIC_DECODE:
+            return False
+    return True
+
+
 def fast_decoder(tokenizer) -> Decode:
     """``tokenizer.decode``, through the ``tokenizers`` backend when the wrapper adds
-    nothing to the backend's text (no ``clean_up_tokenization_spaces``): the same text
-    without the wrapper's per-call overhead. Any other tokenizer is called as it is."""
+    nothing to the backend's text (transformers' generic decode, without
+    ``clean_up_tokenization_spaces``): the same text without the wrapper's per-call
+    overhead. Any other tokenizer is called as it is."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is not None and hasattr(backend, "decode")
+    if (backend is not None and hasattr(backend, "decode") and _decode_is_generic(tokenizer)
             and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)

@@ -7,6 +7,7 @@ with a full ``tokenizer.decode`` of the same ids.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -326,8 +327,15 @@ def wrapper_decode(tok):
 
 
 def test_the_fast_decoder_is_the_tokenizers_decode(tok):
-    assert not tok.clean_up_tokenization_spaces  # so the backend path is the one taken
     fast = fast_decoder(tok)
+    calls = []
+    tok_decode = tok.decode
+    tok.decode = lambda *a, **k: calls.append(1) or tok_decode(*a, **k)
+    try:
+        fast([5, 6], True)
+    finally:
+        del tok.decode
+    assert calls == []  # the backend path is the one taken
     rng = random.Random(1)
     for _ in range(300):
         ids = [rng.randrange(len(tok) + 5) for _ in range(rng.randint(0, 9))]
@@ -344,6 +352,13 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode():
             return f"wrapped {ids} {skip_special_tokens}"
 
     assert fast_decoder(Cleans())([1, 2], True) == "wrapped [1, 2] True"
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
+    own = type("OwnDecode", (type(tok),), {"_decode": lambda self, *a, **k: "own"})
+    t = copy.copy(tok)
+    t.__class__ = own
+    assert fast_decoder(t)([5, 6], True) == "own"
 
 
 def test_fast_decoding_streams_what_the_wrapper_streams(tok):
