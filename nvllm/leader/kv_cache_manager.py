@@ -110,8 +110,12 @@ class KVCacheManager:
         computed count to ``hit_tokens(computed_blocks)``. Returns False, changing nothing
         but giving back the blocks the window has left behind, if blocks run short.
         """
-        computed_blocks = computed_blocks or []
         blocks = seq.blocks
+        if not computed_blocks and self.window is None and (
+                cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+                <= len(blocks.table)):
+            return True  # the common decode: its last block has room
+        computed_blocks = computed_blocks or []
         if computed_blocks:
             assert not blocks.table and seq.num_computed_tokens == 0
             num_computed = self.hit_tokens(computed_blocks)
