@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from nvllm.common.utils import cdiv
 from nvllm.common.worker_protocol import StepResult
@@ -75,7 +76,11 @@ class Scheduler:
         # completed a step since (see admission): at most one at a time.
         self._quarantined: set[int] = set()
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, grammar: Any = None) -> None:
+        """Queue a new sequence; `grammar`: its request's CompiledGrammar (structured
+        output), which its plans name to rank 0."""
+        if grammar is not None:
+            seq.grammar = grammar
         seq.status = SequenceStatus.WAITING
         seq.order = next(self._arrivals)
         self.waiting.add(seq)
@@ -156,6 +161,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, n, hits):
                 break
+            seq.num_computed_tokens = self.kv.hit_tokens(hits)
             if not seq.wants_prompt_logprobs:
                 self.kv.record_lookup(seq)
             if seq.num_preemptions == 0:
@@ -210,8 +216,11 @@ class Scheduler:
         p = seq.params
         # A constrained sequence samples a stop token before min_tokens only when its
         # grammar allows nothing else (nvllm/worker/sampler.py): it ends there.
+        stop_ids = seq.stop_ids
+        if stop_ids is None:
+            stop_ids = seq.stop_ids = frozenset(p.all_stop_token_ids())
         if ((seq.num_output_tokens >= p.min_tokens or p.structured_outputs is not None)
-                and token in p.all_stop_token_ids()):
+                and token in stop_ids):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -232,12 +241,26 @@ class Scheduler:
         self.finished_seq_ids.append(seq.seq_id)
         self._quarantined.discard(seq.seq_id)
         self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.on_worker = False
         seq.num_sent_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(seq)
+
+    def count_worker_death(self, limit: int) -> set[str]:
+        """A worker group died: every live sequence it held (or owed a token) counts one
+        more death in flight. Returns the ids of the requests one of whose sequences has
+        now been on the workers through `limit` deaths in a row. Call before
+        ``requeue_all``, which forgets what the workers held."""
+        suspects = set()
+        for seq in itertools.chain(self.running, self.waiting):
+            if seq.on_worker or seq.num_pending:
+                seq.deaths_in_flight += 1
+                if seq.deaths_in_flight >= limit:
+                    suspects.add(seq.request_id)
+        return suspects
 
     def requeue_all(self) -> None:
         """The workers (and the KV cache) were replaced: every running sequence goes back
@@ -259,6 +282,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
