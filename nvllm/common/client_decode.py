@@ -124,8 +124,7 @@ def decode_client_frame(payload: bytes,
     try:
         frame = decoder.decode(payload)
     except msgspec.ValidationError as e:
-        err = field_error(str(e), lim)
-        raise cp.ClientProtocolError(err.code, err.message, _request_id(payload, err)) from None
+        raise _invalid(str(e), payload, lim) from None
     except (msgspec.DecodeError, RecursionError, ValueError, OverflowError) as e:
         raise _unreadable(e, payload) from None
     if isinstance(frame, submit_type):
@@ -137,17 +136,33 @@ def decode_client_frame(payload: bytes,
 def _unreadable(e: Exception, payload: bytes) -> cp.ClientProtocolError:
     if isinstance(e, OverflowError):  # an integer beyond 64 bits, somewhere
         return cp.ClientProtocolError("invalid_request", "an integer is outside int64",
-                                      _request_id(payload, None))
+                                      _request_id(payload))
     if isinstance(e, RecursionError) or "recursion" in str(e):
         return cp.ClientProtocolError("bad_frame", f"the frame nests too deeply (a message "
                                                    f"nests at most {cp.MAX_DEPTH} levels)")
-    return cp.ClientProtocolError("bad_frame", "not a msgpack map (the frame does not decode)")
+    return cp.ClientProtocolError("bad_frame", "the frame is not valid msgpack (or holds "
+                                               "text that is not UTF-8)")
 
 
-def _request_id(payload: bytes, err: FieldError | None) -> str | int | None:
-    """The frame's request id when it is a valid one (an error about the id has none)."""
-    if err is not None and err.field in ("id", ""):
-        return None
+def _invalid(text: str, payload: bytes, lim: ClientLimits) -> cp.ClientProtocolError:
+    """A frame the typed decoder refused. The decoder stops at the first bad field, so
+    the frame is read once more, untyped, for what the answer needs: whether it is
+    msgpack at all (trailing bytes, nesting past the decoder's depth: bad_frame) and its
+    request id. Only refused frames pay for this read."""
+    try:
+        rid = _ENVELOPE.decode(payload).id
+    except (msgspec.DecodeError, RecursionError, ValueError, OverflowError) as e:
+        return _unreadable(e, payload)
+    except msgspec.ValidationError:  # the frame is not a map
+        rid = None
+    err = field_error(text, lim)
+    valid = isinstance(rid, str) or (type(rid) is int and INT64_MIN <= rid <= INT64_MAX)
+    return cp.ClientProtocolError(err.code, err.message,
+                                  rid if valid and err.field not in ("id", "") else None)
+
+
+def _request_id(payload: bytes) -> str | int | None:
+    """The frame's request id when it has a valid one."""
     try:
         rid = _ENVELOPE.decode(payload).id
     except Exception:  # noqa: BLE001 (any frame that does not even hold a map)

@@ -2,7 +2,7 @@
 
 msgspec says what was expected and where (``Expected `array` of length <= 3 - at
 `$.params.stop_token_ids```); a client needs the field and the limit by the name its
-operator sets (``params.stop_token_ids has more than 3 items (max_stop_token_ids 3)``).
+operator sets (``params.stop_token_ids has more than 3 items (max_stop_token_ids is 3)``).
 Messages never echo what the client sent: unknown keys are named only when they look like
 a field name, and values never.
 """
@@ -68,6 +68,8 @@ def field_error(text: str, limits: ClientLimits) -> FieldError:
     m = _AT.match(text)
     what, path = m["what"], (m["path"] or "").lstrip(".")
     field = _PATH_INDEX.sub("", path)
+    if m["key"] and not field:
+        return FieldError("bad_frame", "", "a message's keys must be strings")
     if m["key"]:  # a map key of the wrong type
         return FieldError("invalid_request", field, f"{field or 'a message'}: keys must be "
                           f"{_expected_type(what)}")
@@ -102,7 +104,7 @@ def _bound(field: str, path: str, what: str, limits: ClientLimits) -> FieldError
         kind, n = size.groups()
         unit = ("bytes" if limit in _BYTE_LIMITS else "characters" if kind == "str"
                 else "entries" if kind == "object" else "items")
-        tail = f" ({limit} {getattr(limits, limit)})" if limit else ""
+        tail = f" ({limit} is {getattr(limits, limit)})" if limit else ""
         return FieldError(code, field, f"{path} has more than {n} {unit}{tail}")
     rng = re.match(r"Expected `(\w+)` (<=|>=|<|>) (\S+)", what)
     if rng:
@@ -112,7 +114,7 @@ def _bound(field: str, path: str, what: str, limits: ClientLimits) -> FieldError
                                            f"integers in [0, 2**63))")
         if n.lstrip("-").isdigit() and int(n) in (INT64_MAX, INT64_MIN):
             return FieldError(code, field, f"{path} must be an integer in int64")
-        tail = f" ({limit} {getattr(limits, limit)})" if limit else ""
+        tail = f" ({limit} is {getattr(limits, limit)})" if limit else ""
         return FieldError(code, field, f"{path} must be {op} {n}{tail}")
     if what.startswith("Expected"):
         code = "invalid_request" if path == field else code

@@ -143,35 +143,38 @@ def _submit(**fields) -> bytes:
 @pytest.mark.parametrize("frame,code,words", [
     # 1,023 nested lists in 1 KB: refused inside the decoder, before any Python walks it.
     (b"\x82\xa2op\xa4info\xa1x" + b"\x91" * 1023 + b"\xc0", "bad_frame", "nests too deeply"),
-    (b"\x82\xa2op\xa4info\xa1v" + b"\x91" * 1023 + b"\xc0", "bad_version", "version must be 1"),
+    (b"\x82\xa2op\xa4info\xa1v" + b"\x91" * 1023 + b"\xc0", "bad_frame", "nests too deeply"),
+    (b"\x82\xa2op\xa4info\xa1v" + b"\x91" * 100 + b"\xc0", "bad_version", "version must be 1"),
+    # A map, then bytes after it (a pickle starts so): not one msgpack value.
+    (b"\x80\x04garbage", "bad_frame", "not valid msgpack"),
     (_pack({"op": "submit", "id": "i" * 33, "prompt": "x"}), "invalid_request",
-     "id has more than 32 bytes (max_request_id_bytes 32)"),
+     "id has more than 32 bytes (max_request_id_bytes is 32)"),
     (_pack({"op": "submit", "id": "é" * 20, "prompt": "x"}), "invalid_request",
      "id is 40 bytes, more than max_request_id_bytes 32"),
     (_pack({"op": "submit", "id": 2**63, "prompt": "x"}), "invalid_request", "id must be an "
      "integer in int64"),
     (_submit(prompt="p" * 257), "invalid_request",
-     "prompt has more than 256 bytes (max_prompt_bytes 256)"),
+     "prompt has more than 256 bytes (max_prompt_bytes is 256)"),
     (_submit(prompt="é" * 200), "invalid_request",
      "prompt is 400 bytes, more than max_prompt_bytes 256"),
     (_pack({"op": "submit", "id": "a", "prompt_token_ids": [1] * 65}), "rejected",
-     "prompt_token_ids has more than 64 items (max_model_len 64)"),
+     "prompt_token_ids has more than 64 items (max_model_len is 64)"),
     (_pack({"op": "submit", "id": "a", "prompt_token_ids": [2**63]}), "rejected",
      "prompt_token_ids[0] is outside the vocabulary"),
     (_pack({"op": "submit", "id": "a", "prompt_token_ids": [1, -1]}), "rejected",
      "prompt_token_ids[1] is outside the vocabulary"),
-    (_submit(params={"n": 5}), "invalid_request", "params.n must be <= 4 (max_n 4)"),
+    (_submit(params={"n": 5}), "invalid_request", "params.n must be <= 4 (max_n is 4)"),
     (_submit(params={"stop": ["a", "b", "c"]}), "invalid_request",
-     "params.stop has more than 2 items (max_stop_strings 2)"),
+     "params.stop has more than 2 items (max_stop_strings is 2)"),
     (_submit(params={"stop": "s" * 9}), "invalid_request",
-     "params.stop has more than 8 characters (max_stop_string_chars 8)"),
+     "params.stop has more than 8 characters (max_stop_string_chars is 8)"),
     (_submit(params={"stop": ["a", "s" * 9]}), "invalid_request",
-     "params.stop[1] has more than 8 characters (max_stop_string_chars 8)"),
+     "params.stop[1] has more than 8 characters (max_stop_string_chars is 8)"),
     (_submit(params={"stop_token_ids": [1, 2, 3, 4]}), "invalid_request",
-     "params.stop_token_ids has more than 3 items (max_stop_token_ids 3)"),
+     "params.stop_token_ids has more than 3 items (max_stop_token_ids is 3)"),
     (_submit(params={"stop_token_ids": [2**64 - 1]}), "invalid_request", "2**63"),
     (_submit(params={"logit_bias": {i: 1.0 for i in range(9)}}), "invalid_request",
-     "params.logit_bias has more than 8 entries (max_logit_bias 8)"),
+     "params.logit_bias has more than 8 entries (max_logit_bias is 8)"),
     (_submit(params={"logit_bias": {-1: 1.0}}), "invalid_request", "logit_bias: keys"),
     (_submit(params={"logit_bias": {5: 101}}), "invalid_request", "[-100, 100]"),
     (_submit(params={"logit_bias": {5: "x"}}), "invalid_request",
@@ -183,9 +186,9 @@ def _submit(**fields) -> bytes:
     (_submit(params={"stop_token_ids": [1] * 100_000}), "invalid_request",
      "params.stop_token_ids has more than 3 items"),
     (_pack({"op": "submit", "id": "a", "prompt": "x" * 10_000}), "invalid_request",
-     "max_prompt_bytes 256"),
+     "max_prompt_bytes is 256"),
     (_submit(params={"structured_outputs": {"regex": "a" * 513}}), "invalid_request",
-     "params.structured_outputs.regex has more than 512 bytes (max_grammar_bytes 512)"),
+     "params.structured_outputs.regex has more than 512 bytes (max_grammar_bytes is 512)"),
     (_submit(params={"structured_outputs": {"regex": "é" * 300}}), "invalid_request",
      "params.structured_outputs.regex is 600 bytes, more than max_grammar_bytes 512"),
     (_submit(params={"structured_outputs": {"choice": ["ab"] * 300}}), "invalid_request",
@@ -237,7 +240,7 @@ def test_logit_bias_up_to_the_limit_decodes_with_int_keys():
         assert all(type(k) is int for k in sub.params.logit_bias)
     with pytest.raises(cp.ClientProtocolError) as e:
         decode_client_frame(_submit(params={"logit_bias": {i: 1.0 for i in range(5000)}}))
-    assert e.value.code == "invalid_request" and "max_logit_bias 1024" in e.value.message
+    assert e.value.code == "invalid_request" and "(max_logit_bias is 1024)" in e.value.message
 
 
 def test_limits_follow_the_engine_config(tiny):
@@ -250,7 +253,7 @@ def test_limits_follow_the_engine_config(tiny):
     assert limits.max_logit_bias == 5 and limits.max_num_seqs == 7
     assert limits.vocab_size == config.model_info.vocab_size
     assert limits.max_prompt_bytes == PROMPT_BYTES_PER_TOKEN * config.max_model_len
-    with pytest.raises(cp.ClientProtocolError, match=r"params.n must be <= 3 \(max_n 3\)"):
+    with pytest.raises(cp.ClientProtocolError, match=r"params.n must be <= 3 \(max_n is 3\)"):
         decode_client_frame(_submit(params={"n": 4}), limits)
 
 
