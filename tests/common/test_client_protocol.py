@@ -30,8 +30,8 @@ def _doc_tables() -> dict[str, dict[str, list[str]]]:
     tables: dict[str, dict[str, list[str]]] = {}
     section = None
     for line in DOC.read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip()
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
         m = re.match(r"\| `(\w+)` \|([^|]*)\|", line)
         if m and section in ("Client → leader", "Leader → client"):
             tables.setdefault(section, {})[m.group(1)] = re.findall(r"`(\w+)`", m.group(2))
@@ -49,6 +49,39 @@ def _fields(cls: type) -> list[str]:
 def test_the_protocol_doc_lists_every_type_and_field(section, types):
     table = _doc_tables()[section]
     assert {c.OP: _fields(c) for c in types} == table
+
+
+def _params_table() -> list[str]:
+    """The fields docs/protocol.md's sampling-parameter table lists, in order."""
+    text = DOC.read_text()
+    table = text[text.index("### Sampling parameters (`params`)"):]
+    table = table[:table.index("\n## ")]
+    return re.findall(r"^\| `(\w+)` \|", table, re.M)
+
+
+def _wire_params_fields() -> list[str]:
+    """The fields of the struct the leader decodes `params` into."""
+    from nvllm.common.client_decode import _types
+
+    submit = _types(default_limits())[1]
+    (params_type,) = [f.type for f in msgspec.structs.fields(submit) if f.name == "params"]
+    struct = next(t for t in params_type.__args__ if t is not type(None))
+    return [f.name for f in msgspec.structs.fields(struct)]
+
+
+def test_the_protocol_doc_lists_every_sampling_parameter():
+    """A field added to SamplingParams (or to the wire's params) without its row in
+    docs/protocol.md fails here, as does a row for a field that is gone."""
+    client_fields = [f.name for f in dataclasses.fields(SamplingParams)
+                     if f.name != "eos_token_ids"]  # the engine fills it, never a client
+    assert _params_table() == client_fields == _wire_params_fields()
+
+
+def test_the_decoders_submit_has_the_submit_messages_fields():
+    from nvllm.common.client_decode import _types
+
+    wire = [f.name for f in msgspec.structs.fields(_types(default_limits())[1])]
+    assert sorted(set(wire) - {"stream"}) == sorted(_fields(cp.Submit) + ["v"])
 
 
 def test_client_messages_round_trip():
