@@ -29,6 +29,7 @@ from nvllm.common.client_limits import (
     default_limits,
 )
 from nvllm.common.field_errors import FieldError, field_error
+from nvllm.common.request_checks import prompt_length_error
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.structured_outputs import KINDS
 
@@ -101,9 +102,11 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
 
 
 class _Envelope(msgspec.Struct):
-    """What an error answer needs from a frame that failed: its request id, if any."""
+    """What an error answer needs from a frame that failed: its request id, if any, and
+    the token-id prompt's bytes (its header says how many ids it holds)."""
 
     id: Any = None
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()
 
 
 @functools.cache
@@ -150,15 +153,31 @@ def _invalid(text: str, payload: bytes, lim: ClientLimits) -> cp.ClientProtocolE
     msgpack at all (trailing bytes, nesting past the decoder's depth: bad_frame) and its
     request id. Only refused frames pay for this read."""
     try:
-        rid = _ENVELOPE.decode(payload).id
+        envelope = _ENVELOPE.decode(payload)
     except (msgspec.DecodeError, RecursionError, ValueError, OverflowError) as e:
         return _unreadable(e, payload)
     except msgspec.ValidationError:  # the frame is not a map
-        rid = None
+        envelope = _Envelope()
+    rid = envelope.id
     err = field_error(text, lim)
+    if err.field == "prompt_token_ids" and text.startswith("Expected `array` of length <="):
+        err.message = prompt_length_error(_array_len(envelope.prompt_token_ids), lim) \
+            or err.message
     valid = isinstance(rid, str) or (type(rid) is int and INT64_MIN <= rid <= INT64_MAX)
     return cp.ClientProtocolError(err.code, err.message,
                                   rid if valid and err.field not in ("id", "") else None)
+
+
+def _array_len(raw: msgspec.Raw) -> int:
+    """How many items a msgpack array holds, from its header."""
+    b = bytes(raw)
+    if b and 0x90 <= b[0] <= 0x9F:
+        return b[0] & 0x0F
+    if len(b) >= 3 and b[0] == 0xDC:
+        return int.from_bytes(b[1:3], "big")
+    if len(b) >= 5 and b[0] == 0xDD:
+        return int.from_bytes(b[1:5], "big")
+    return 0
 
 
 def _request_id(payload: bytes) -> str | int | None:

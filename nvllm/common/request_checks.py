@@ -43,10 +43,19 @@ def check_prompt_ids(ids: Any, limits: ClientLimits) -> list[int]:
             shown = t if isinstance(t, int) else f"of type {type(t).__name__}"
             raise RequestRejected(f"token id {shown} at position {pos} is outside the "
                                   f"vocabulary ({_valid_ids(vocab)})")
-    if len(ids) > limits.max_model_len:
-        raise RequestRejected(f"prompt has {len(ids)} tokens, max_model_len is "
-                              f"{limits.max_model_len}")
+    too_long = prompt_length_error(len(ids), limits)
+    if too_long:
+        raise RequestRejected(too_long)
     return list(ids)
+
+
+def prompt_length_error(num_tokens: int, limits: ClientLimits) -> str | None:
+    """The one rule on a prompt's length, and its message: the engine applies it to every
+    tokenized prompt, and the client wire (which bounds prompt_token_ids by the same
+    limit while it decodes) answers with this message too."""
+    if num_tokens > limits.max_model_len:
+        return f"prompt has {num_tokens} tokens, max_model_len is {limits.max_model_len}"
+    return None
 
 
 def check_params(params: SamplingParams, limits: ClientLimits) -> None:

@@ -28,7 +28,7 @@ VIOLATIONS = [  # (frame, code, words naming the field and the limit)
     ({"op": "submit", "id": "bad", "prompt": "p" * 65}, "invalid_request",
      "prompt has more than 64 bytes (max_prompt_bytes is 64)"),
     (_submit(prompt_token_ids=[5] * 129), "rejected",
-     "prompt_token_ids has more than 128 items (max_model_len is 128)"),
+     "prompt has 129 tokens, max_model_len is 128"),
     (_submit(params={"n": 4}), "invalid_request", "params.n must be <= 3 (max_n is 3)"),
     (_submit(params={"stop": ["a", "b", "c"]}), "invalid_request",
      "params.stop has more than 2 items (max_stop_strings is 2)"),
