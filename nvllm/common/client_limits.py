@@ -9,6 +9,7 @@ changes every check that uses it and no default is written twice.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
@@ -69,6 +70,7 @@ def client_limits(config: EngineConfig) -> ClientLimits:
     )
 
 
+@functools.cache
 def default_limits() -> ClientLimits:
     """The limits of an engine started with every default (and no model yet)."""
     from nvllm.common.config import EngineConfig
