@@ -2,10 +2,10 @@
 """Client-wire codec cost per frame: the msgspec Structs against the previous hand-rolled
 map codec (``git show <ref>:nvllm/common/client_protocol.py``, loaded as a module).
 
-Each frame makes one round trip through the codec as it travels, in one process (no
-sockets): a submit is encoded by the client and decoded, with every limit checked, by the
-leader; an output delta is encoded by the leader and decoded by the client. Reported: the
-median over repeats of the time per round trip, and the frame's size.
+Each frame goes through the codec as it travels, in one process (no sockets): a submit is
+encoded by the client and decoded, with every limit checked, by the leader; an output
+delta is encoded by the leader and decoded by the client. Reported: the frame's size and
+the median over repeats of the time per encode and per decode.
 
 Frames:
   submit        a generate request: a 300-character text prompt, sampling parameters
@@ -73,16 +73,23 @@ def frames(cp: types.ModuleType) -> dict[str, tuple]:
     }
 
 
-def time_round_trip(msg, encode, decode, number: int, repeats: int) -> float:
-    """Median seconds per encode + decode."""
-    assert decode(encode(msg)) is not None
+def time_per_call(fn, arg, number: int, repeats: int) -> float:
+    """Median seconds per call of fn(arg)."""
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(number):
-            decode(encode(msg))
+            fn(arg)
         runs.append((time.perf_counter() - t0) / number)
     return statistics.median(runs)
+
+
+def measure(msg, encode, decode, number: int, repeats: int) -> tuple[int, float, float]:
+    """(frame bytes, µs to encode, µs to decode)."""
+    frame = encode(msg)
+    assert decode(frame) is not None
+    return (len(frame), time_per_call(encode, msg, number, repeats) * 1e6,
+            time_per_call(decode, frame, number, repeats) * 1e6)
 
 
 def main() -> None:
@@ -93,25 +100,20 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     old = load_old(args.ref)
-    rows = []
     old_frames, new_frames = frames(old), frames(new)
-    for name in new_frames:
-        o, n = old_frames[name], new_frames[name]
-        t_old = time_round_trip(*o, args.number, args.repeats)
-        t_new = time_round_trip(*n, args.number, args.repeats)
-        rows.append((name, len(o[1](o[0])), len(n[1](n[0])), t_old * 1e6, t_new * 1e6))
     print(f"# {platform.processor() or platform.machine()}, Python "
-          f"{platform.python_version()}, {args.number} x {args.repeats} round trips")
+          f"{platform.python_version()}, median of {args.repeats} x {args.number} calls")
+    head = ("| frame | bytes old / new | encode µs old / new | decode µs old / new "
+            "| encode + decode µs old / new | speedup |")
     if args.markdown:
-        print("| frame | bytes old | bytes new | old µs | new µs | speedup |")
+        print(head)
         print("|---|---:|---:|---:|---:|---:|")
-    for name, b_old, b_new, us_old, us_new in rows:
-        if args.markdown:
-            print(f"| {name} | {b_old} | {b_new} | {us_old:.2f} | {us_new:.2f} | "
-                  f"{us_old / us_new:.1f}x |")
-        else:
-            print(f"{name:11s} bytes {b_old:5d} -> {b_new:5d}   "
-                  f"{us_old:7.2f} us -> {us_new:6.2f} us   ({us_old / us_new:.1f}x)")
+    for name in new_frames:
+        b_o, e_o, d_o = measure(*old_frames[name], args.number, args.repeats)
+        b_n, e_n, d_n = measure(*new_frames[name], args.number, args.repeats)
+        cells = [name, f"{b_o} / {b_n}", f"{e_o:.2f} / {e_n:.2f}", f"{d_o:.2f} / {d_n:.2f}",
+                 f"{e_o + d_o:.2f} / {e_n + d_n:.2f}", f"{(e_o + d_o) / (e_n + d_n):.1f}x"]
+        print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(cells))
 
 
 if __name__ == "__main__":
