@@ -71,8 +71,8 @@ def field_error(text: str, limits: ClientLimits) -> FieldError:
     if m["key"] and not field:
         return FieldError("bad_frame", "", "a message's keys must be strings")
     if m["key"]:  # a map key of the wrong type
-        return FieldError("invalid_request", field, f"{field or 'a message'}: keys must be "
-                          f"{_expected_type(what)}")
+        return FieldError("invalid_request", field,
+                          f"{field}: keys must be {_expected_type(what)}")
     missing = re.match(r"Object missing required field `(\w+)`", what)
     if missing:
         name = missing[1]

@@ -14,7 +14,7 @@ from nvllm.common.utils import INT64_MAX, is_int, shown
 # (as vLLM does), so such requests are greedy.
 GREEDY_BELOW = 1e-5
 # logit_bias: OpenAI's value range, and the most entries any request may carry (operators
-# set a lower per-request bound, ClientLimits.max_logit_bias; this one guards LLM(...) and
+# set a lower per-request bound, max_logit_bias, on the wire; this one guards LLM(...) and
 # any other caller from a map the workers would rebuild every step).
 LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 65536
