@@ -41,8 +41,9 @@ class PlanBuilder:
 
     def build(self, sched: SchedulerOutput, finished_seq_ids: list[int]
               ) -> worker_protocol.StepPlan:
-        """The plan for `sched` (whose computed counts the scheduler already advanced);
-        marks its sequences as held by the workers."""
+        """The plan for `sched` (whose computed counts the scheduler already advanced).
+        Pure: the caller marks the sequences as sent (Scheduler.mark_sent) once it is
+        built."""
         new_seqs, running = [], []
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens - n
@@ -52,10 +53,8 @@ class PlanBuilder:
                     [max(b, 0) for b in seq.block_table], to_worker_sampling(
                         seq.params, seq.grammar.key if seq.grammar is not None else None,
                         seq.wants_prompt_logprobs)))
-                seq.on_worker = True
             else:
                 running.append(worker_protocol.RunningSeq(
                     seq.seq_id, n, seq.block_table[seq.num_sent_blocks:]))
-            seq.num_sent_blocks = len(seq.block_table)
         return worker_protocol.StepPlan(next(self._step_ids), new_seqs, running,
                                         finished_seq_ids)
