@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from nvllm.common import worker_protocol
+from nvllm.common.plan_arrays import PlanColumns, columns
 from nvllm.common.step_rule import samples_after_step
-from nvllm.worker.plan_columns import PlanColumns
+from nvllm.common.transport import ArrayReader
 
 
 class InvalidPlan(ValueError):
@@ -35,6 +36,7 @@ class StepBatch:
 
     seq_ids: np.ndarray  # [n] int64
     rows: np.ndarray  # [n] int64: each sequence's row in the InputBatch
+    num_new: int  # the first num_new sequences are the plan's new ones
     start: np.ndarray  # [n] int64: tokens computed before this step
     query_lens: np.ndarray  # [n] int32: tokens computed this step
     cu_seqlens_q: np.ndarray  # [n + 1] int32: sequence i's tokens are t in cu[i]..cu[i+1]
@@ -147,6 +149,7 @@ class InputBatch:
     def _check_ranges(self, ids: np.ndarray, num_tokens: np.ndarray, num_blocks: np.ndarray,
                       computed: np.ndarray, n: np.ndarray) -> None:
         bs = self.block_size
+        computed, n = computed.astype(np.int64), n.astype(np.int64)  # no int32 wrap-around
         end = computed + n
         bad = (n < 1) | (computed < 0) | (end > num_tokens) | (-(-end // bs) > num_blocks)
         if bad.any():
@@ -157,12 +160,15 @@ class InputBatch:
 
     # ---- changing the state -----------------------------------------------------------
 
-    def apply(self, plan: worker_protocol.StepPlan) -> StepBatch:
+    def apply(self, plan: worker_protocol.StepPlan, reader: ArrayReader | None = None
+              ) -> StepBatch:
         """Validate the whole plan (InvalidPlan, state untouched), then apply it in place
         and return the step's arrays. The scheduled sequences' computed counts advance
-        by the step's tokens; sampled tokens come later, through append_sampled."""
+        by the step's tokens; sampled tokens come later, through append_sampled.
+        `reader`: the plan ring, for plans whose columns live there (copied into the
+        rows here: nothing keeps a view of the ring)."""
         try:
-            cols = PlanColumns.of(plan)
+            cols = columns(plan, reader)
         except ValueError as e:
             raise InvalidPlan(str(e)) from None
         self.validate(plan, cols)
@@ -174,7 +180,8 @@ class InputBatch:
         self._append_blocks(run_rows, cols.run_blocks, cols.run_block_offsets)
         rows = np.concatenate([new_rows, run_rows])
         q = np.concatenate([cols.new_num_new, cols.run_num_new]).astype(np.int32)
-        return self._step(np.concatenate([cols.new_ids, cols.run_ids]), rows, q)
+        return self._step(np.concatenate([cols.new_ids, cols.run_ids]), rows, q,
+                          len(cols.new_ids))
 
     def free(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -194,7 +201,7 @@ class InputBatch:
             return rows
         for j, sid in enumerate(cols.new_ids.tolist()):
             rows[j] = self.row_of[sid] = self._take_row()
-            self.sampling[rows[j]] = plan.new_seqs[j].sampling
+            self.sampling[rows[j]] = plan.new_cols.sampling[j]
         lens = np.diff(cols.new_token_offsets)
         nblk = np.diff(cols.new_block_offsets)
         self._ensure_width(int(lens.max()), int(nblk.max()))
@@ -227,7 +234,8 @@ class InputBatch:
 
     # ---- the step's arrays ------------------------------------------------------------
 
-    def _step(self, seq_ids: np.ndarray, rows: np.ndarray, q: np.ndarray) -> StepBatch:
+    def _step(self, seq_ids: np.ndarray, rows: np.ndarray, q: np.ndarray, num_new: int
+              ) -> StepBatch:
         bs = self.block_size
         start = self.num_computed_tokens[rows].copy()
         end = start + q
@@ -242,7 +250,8 @@ class InputBatch:
         sample_idx = np.flatnonzero(samples_after_step(end, self.num_tokens[rows]))
         self.num_computed_tokens[rows] = end
         return StepBatch(
-            seq_ids=seq_ids.astype(np.int64), rows=rows, start=start, query_lens=q,
+            seq_ids=seq_ids.astype(np.int64), rows=rows, num_new=num_new, start=start,
+            query_lens=q,
             cu_seqlens_q=cu, seq_lens=end.astype(np.int32),
             block_tables=self.block_table[rows, :width], positions=positions,
             input_ids=self.token_ids[tok_rows, positions].astype(np.int64),

@@ -11,6 +11,7 @@ import torch
 
 from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig
+from nvllm.common.transport import ArrayReader
 from nvllm.common.utils import cdiv
 from nvllm.kernels.cpu_attention import CpuKVStore
 from nvllm.kernels.metadata import AttentionMetadata, metadata_from_arrays
@@ -153,20 +154,22 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    def _apply(self, plan: worker_protocol.StepPlan) -> StepBatch:
+    def _apply(self, plan: worker_protocol.StepPlan, reader: ArrayReader | None) -> StepBatch:
         """Validate the plan whole (InvalidPlan: nothing changed), then apply it to the
         batch state and to what rank 0 keeps beside it (matchers, prompt scoring)."""
         if self.kv_cache is None:
             raise InvalidPlan("a step plan arrived before the KV cache was allocated")
-        step = self.batch.apply(plan)  # frees the finished sequences' rows
+        batch = self.batch
+        step = batch.apply(plan, reader)  # frees the finished sequences' rows
         for sid in plan.finished_ids:
             self._drop(sid)
-        for ns in plan.new_seqs:
-            if ns.sampling.prompt_logprobs is not None:
-                self.scoring.add(ns.seq_id)
-            if ns.sampling.grammar_key is not None and self.structured is not None:
-                self.structured.start(ns.seq_id, ns.sampling,
-                                      ns.token_ids[ns.num_prompt_tokens:])
+        for i, sampling in enumerate(plan.new_cols.sampling):
+            sid, row = int(step.seq_ids[i]), int(step.rows[i])
+            if sampling.prompt_logprobs is not None:
+                self.scoring.add(sid)
+            if sampling.grammar_key is not None and self.structured is not None:
+                self.structured.start(sid, sampling, batch.tokens(row)[
+                    batch.num_prompt_tokens[row]:].tolist())
         return step
 
     def _prepare(self, step: StepBatch) -> tuple[list[tuple[torch.Tensor, torch.Tensor,
@@ -200,9 +203,11 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: worker_protocol.StepPlan) -> worker_protocol.StepResult | None:
+    def execute(self, plan: worker_protocol.StepPlan, reader: ArrayReader | None = None
+                ) -> worker_protocol.StepResult | None:
+        """Run one plan; `reader`: the plan ring, when its columns may live there."""
         t0 = time.perf_counter()
-        step = self._apply(plan)
+        step = self._apply(plan, reader)
         if not step.num_seqs:
             return (worker_protocol.StepResult(plan.step_id, [], [], None, 0.0)
                     if self.tp.rank == 0 else None)
