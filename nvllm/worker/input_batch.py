@@ -93,31 +93,33 @@ class InputBatch:
 
     # ---- validation -------------------------------------------------------------------
 
-    def validate(self, plan: worker_protocol.StepPlan, cols: PlanColumns) -> None:
+    def validate(self, plan: worker_protocol.StepPlan, cols: PlanColumns) -> np.ndarray:
         """Reject a plan this state cannot execute, before touching anything. Plans come
         from the leader only, so a bad one is a bug (or a forged frame): raising here,
         instead of indexing out of the KV cache or the embedding table, lets the worker
-        answer with an error and stay as it was."""
+        answer with an error and stay as it was. Returns the running sequences' rows."""
         dropped = set(plan.finished_ids)
-        ids = np.concatenate([cols.new_ids, cols.run_ids])
-        uniq, counts = np.unique(ids, return_counts=True)
-        if len(uniq) < len(ids):
-            raise InvalidPlan(f"sequence {int(uniq[counts > 1][0])} appears twice in step "
-                              f"{plan.step_id}")
-        for sid in cols.new_ids.tolist():
-            if sid in self.row_of and sid not in dropped:
+        new_ids, run_ids = cols.new_ids.tolist(), cols.run_ids.tolist()
+        if len(set(new_ids).union(run_ids)) < len(new_ids) + len(run_ids):
+            seen: set[int] = set()
+            dup = next(s for s in new_ids + run_ids if s in seen or seen.add(s))
+            raise InvalidPlan(f"sequence {dup} appears twice in step {plan.step_id}")
+        row_of = self.row_of
+        for sid in new_ids:
+            if sid in row_of and sid not in dropped:
                 raise InvalidPlan(f"new sequence {sid} is already held")
-        run_rows = np.empty(len(cols.run_ids), np.int64)
-        for j, sid in enumerate(cols.run_ids.tolist()):
-            row = None if sid in dropped else self.row_of.get(sid)
-            if row is None:
+        for sid in run_ids:
+            if sid in dropped or sid not in row_of:
                 raise InvalidPlan(f"running sequence {sid} is not held by this worker")
-            run_rows[j] = row
-        self._check_new(cols)
-        self._check_ids(cols.run_ids, cols.run_blocks, cols.run_block_offsets, None)
+        run_rows = np.fromiter((row_of[s] for s in run_ids), np.int64, len(run_ids))
+        if new_ids:
+            self._check_new(cols)
+        if len(cols.run_blocks):
+            self._check_ids(cols.run_ids, cols.run_blocks, cols.run_block_offsets, None)
         self._check_ranges(cols.run_ids, self.num_tokens[run_rows],
                            self.num_blocks_per_row[run_rows] + np.diff(cols.run_block_offsets),
                            self.num_computed_tokens[run_rows], cols.run_num_new)
+        return run_rows
 
     def _check_new(self, cols: PlanColumns) -> None:
         lens = np.diff(cols.new_token_offsets)
@@ -171,12 +173,10 @@ class InputBatch:
             cols = columns(plan, reader)
         except ValueError as e:
             raise InvalidPlan(str(e)) from None
-        self.validate(plan, cols)
+        run_rows = self.validate(plan, cols)
         for sid in plan.finished_ids:
             self.free(sid)
         new_rows = self._add_new(cols, plan)
-        run_rows = np.fromiter((self.row_of[s] for s in cols.run_ids.tolist()), np.int64,
-                               len(cols.run_ids))
         self._append_blocks(run_rows, cols.run_blocks, cols.run_block_offsets)
         rows = np.concatenate([new_rows, run_rows])
         q = np.concatenate([cols.new_num_new, cols.run_num_new]).astype(np.int32)
