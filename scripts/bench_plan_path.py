@@ -42,7 +42,7 @@ def stub_runner(max_seqs: int):
                         device=torch.device("cpu"))
     if hasattr(model_runner, "InputBatch"):
         r.batch = model_runner.InputBatch(max_seqs, 4096, 4096 // BS, BS, VOCAB, NUM_BLOCKS)
-        r._drop = lambda sid: model_runner.ModelRunner._drop(r, sid)
+        r._forget = lambda sid: model_runner.ModelRunner._forget(r, sid)
         r._tensor = lambda a: model_runner.ModelRunner._tensor(r, a)
     return r
 

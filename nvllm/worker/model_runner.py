@@ -144,8 +144,10 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.load(msg)
 
-    def _drop(self, sid: int) -> None:
-        self.batch.free(sid)
+    def _forget(self, sid: int) -> None:
+        """Drop what this rank keeps beside the batch state for a sequence the plan ends
+        (its row is the batch state's: InputBatch.apply frees it, and a sequence resumed
+        in the same plan has a new row by then)."""
         self.scoring.discard(sid)
         if self.structured is not None:
             self.structured.drop(sid)
@@ -162,7 +164,7 @@ class ModelRunner:
         batch = self.batch
         step = batch.apply(plan, reader)  # frees the finished sequences' rows
         for sid in plan.finished_ids:
-            self._drop(sid)
+            self._forget(sid)
         for i, sampling in enumerate(plan.new_cols.sampling):
             sid, row = int(step.seq_ids[i]), int(step.rows[i])
             if sampling.prompt_logprobs is not None:
