@@ -70,12 +70,15 @@ def test_small_plans_stay_inline(ring):
     plan = make_plan(1, num_new=1, num_run=8, prompt=20)
     want = copy.deepcopy(plan)
     assert plan_arrays.pack(plan, w) == 0 and plan == want
-    # Many sequences go by reference even when their ids are few.
-    decode = make_plan(2, num_new=0, num_run=plan_arrays.MIN_BULK_SEQS, prompt=20)
-    want = plan_arrays.columns(copy.deepcopy(decode), None)
-    assert plan_arrays.bulk_bytes(decode) < plan_arrays.MIN_BULK_BYTES
-    assert plan_arrays.pack(decode, w) > 0
-    assert same_columns(plan_arrays.columns(wire(decode), r), want)
+    # A big decode plan too: inline columns cost nothing per sequence.
+    decode = make_plan(2, num_new=0, num_run=256, prompt=20)
+    want = copy.deepcopy(decode)
+    assert plan_arrays.pack(decode, w) == 0 and decode == want
+    # Past the byte threshold, by reference, however few the sequences.
+    prefill = make_plan(3, num_new=2, num_run=0, prompt=plan_arrays.MIN_BULK_BYTES // 8)
+    want = plan_arrays.columns(copy.deepcopy(prefill), None)
+    assert plan_arrays.pack(prefill, w) > 0
+    assert same_columns(plan_arrays.columns(wire(prefill), r), want)
 
 
 def test_full_ring_and_oversized_plans_stay_inline(ring, caplog):
