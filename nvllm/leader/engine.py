@@ -253,6 +253,7 @@ class LLMEngine:
             if load is not None:
                 self.executor.send_first(load)
         plan = self.plan_builder.build(sched, self.scheduler.take_finished_seq_ids())
+        self.scheduler.mark_sent(sched)
         plan_bytes, generation = self.executor.send(plan)
         self._inflight.append(InFlight(plan.step_id, sched, prompt_tokens, plan_bytes,
                                        generation))

@@ -25,6 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from nvllm.common.step_rule import samples_after_step
 from nvllm.common.utils import cdiv
 from nvllm.common.worker_protocol import StepResult
 from nvllm.leader.kv_cache_manager import KVCacheManager
@@ -181,7 +182,7 @@ class Scheduler:
         count as computed and its full blocks may serve later prefix hits."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+            if samples_after_step(seq.num_computed_tokens, seq.num_tokens + seq.num_pending):
                 seq.num_pending += 1
                 out.sampling_seq_ids.add(seq.seq_id)
             self.kv.cache_computed_blocks(seq)
@@ -285,6 +286,14 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def mark_sent(self, out: SchedulerOutput) -> None:
+        """The plan for `out` is built: its sequences are held by the workers, with every
+        block of their tables (the next plan sends only blocks added after these). Kept
+        apart from the plan builder so building a plan changes no state."""
+        for seq, _ in out.scheduled:
+            seq.on_worker = True
+            seq.num_sent_blocks = len(seq.block_table)
 
 
 def new_seq_plan_bytes(seq: Sequence, block_size: int) -> int:

@@ -13,8 +13,6 @@ import ast
 import dataclasses
 import pathlib
 
-import pytest
-
 from nvllm.leader.sequence import Sequence
 
 LEADER = pathlib.Path(__file__).resolve().parents[2] / "nvllm" / "leader"
@@ -68,8 +66,4 @@ def test_only_the_scheduler_writes_sequences():
             found = writes(ast.parse(path.read_text()))
             if found:
                 offenders[path.name] = found
-    if set(offenders) == {"plan_builder.py"}:
-        # Its on_worker / num_sent_blocks writes move into Scheduler.mark_sent with the
-        # worker-wire change; drop this once both are merged.
-        pytest.xfail(f"plan_builder.py still writes sequences: {offenders}")
     assert offenders == {}
