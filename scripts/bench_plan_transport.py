@@ -5,17 +5,18 @@ Two processes, a real ZMQ PUSH/PULL pair over TCP loopback each way (as the engi
 plan and result sockets). Per step the leader builds the plan (protocol records, as
 ``LLMEngine._build_plan`` makes them), packs it when by reference
 (``plan_arrays.pack``: ids into the shared-memory ring, running sequences as columns),
-encodes and sends it; the worker decodes it with the protocol's type checks, unpacks
-it (``plan_arrays.unpack``: back to the lists the model runner keeps) and answers with
-a tiny ack, on which the leader acknowledges the ring region as the engine does on
+encodes and sends it; the worker decodes it with the protocol's type checks, reads it
+(``plan_arrays.columns``: the arrays the batch state reads; ``unpack`` on older trees) and
+answers with a tiny ack, on which the leader acknowledges the ring region as the engine does on
 rank 0's result. A step's time runs from the start of building to the ack's arrival
 (median over the steps; the two transports alternate within each step).
 
-Payloads (256 sequences, 16-token blocks):
-  prefill   256 new sequences, 1,024-token prompts, 64-block tables
-  decode    256 running sequences, one token each, 1 in 16 gets a new block
+Payloads (--seqs sequences, default 256, 16-token blocks):
+  prefill   new sequences, 1,024-token prompts, 64-block tables
+  decode    running sequences, one token each, 1 in 16 gets a new block
 
-    python scripts/bench_plan_transport.py [--steps 200] [--markdown]
+    python scripts/bench_plan_transport.py [--steps 200] [--seqs 256] [--markdown]
+        [--payloads prefill decode]
 """
 
 from __future__ import annotations
@@ -41,22 +42,35 @@ TRANSPORTS = ["lists", "shm"]
 PAYLOADS = ["prefill", "decode"]
 
 
-def make_state(seed: int = 0) -> list[dict]:
+def make_state(num_seqs: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     sampling = protocol.WorkerSampling(temperature=0.7, top_p=0.9, stop_token_ids=[151645])
     return [{"seq_id": i, "tokens": rng.integers(0, VOCAB, PROMPT).tolist(),
              "table": rng.integers(0, 40_000, BLOCKS).tolist(), "sampling": sampling,
              "new_block": [int(rng.integers(0, 40_000))] if i % 16 == 0 else []}
-            for i in range(NUM_SEQS)]
+            for i in range(num_seqs)]
+
+
+# Columns (this branch) or records (older nvllm): the script times either.
+MAKE_PLAN = getattr(protocol.StepPlan, "of", protocol.StepPlan)
 
 
 def build(payload: str, step: int, state: list[dict]) -> protocol.StepPlan:
     if payload == "prefill":
         new = [protocol.NewSeq(s["seq_id"], list(s["tokens"]), PROMPT, 0, PROMPT,
                                list(s["table"]), s["sampling"]) for s in state]
-        return protocol.StepPlan(step, new, [], [])
-    return protocol.StepPlan(step, [], [protocol.RunningSeq(s["seq_id"], 1, s["new_block"])
-                                        for s in state], [])
+        return MAKE_PLAN(step, new, [], [])
+    return MAKE_PLAN(step, [], [protocol.RunningSeq(s["seq_id"], 1, s["new_block"])
+                                for s in state], [])
+
+
+def read_plan(plan: protocol.StepPlan, reader: ArrayReader) -> int:
+    """What a worker reads before it applies the plan; returns its sequence count."""
+    if hasattr(plan_arrays, "columns"):
+        cols = plan_arrays.columns(plan, reader)
+        return len(cols.new_ids) + len(cols.run_ids)
+    plan_arrays.unpack(plan, reader)
+    return len(plan.new_seqs) + len(plan.running)
 
 
 def worker(plan_ep: str, ack_ep: str) -> None:
@@ -68,8 +82,7 @@ def worker(plan_ep: str, ack_ep: str) -> None:
     while (data := pull.recv()) != b"quit":
         t0 = time.perf_counter()
         plan = protocol.decode(data)
-        plan_arrays.unpack(plan, reader)
-        assert len(plan.new_seqs) + len(plan.running) == NUM_SEQS
+        assert read_plan(plan, reader) == int(os.environ["BENCH_SEQS"])
         dt = time.perf_counter() - t0
         push.send(msgpack.packb([plan.step_id, dt]))
         plan = None  # freed here, not inside the next step's timing
@@ -110,6 +123,8 @@ def run(payload: str, steps: int, sock: zmq.Socket, acks: zmq.Socket, state: lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seqs", type=int, default=NUM_SEQS, help="sequences per plan")
+    ap.add_argument("--payloads", nargs="*", default=PAYLOADS, choices=PAYLOADS)
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ap.add_argument("--worker", nargs=2, metavar=("PLAN_EP", "ACK_EP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -122,12 +137,13 @@ def main() -> None:
     sock, acks = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     plan_ep = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     ack_ep = f"tcp://127.0.0.1:{acks.bind_to_random_port('tcp://127.0.0.1')}"
-    child = subprocess.Popen([sys.executable, __file__, "--worker", plan_ep, ack_ep])
-    state = make_state()
+    child = subprocess.Popen([sys.executable, __file__, "--worker", plan_ep, ack_ep],
+                             env={**os.environ, "BENCH_SEQS": str(args.seqs)})
+    state = make_state(args.seqs)
     rows = []
     w = ArrayWriter(capacity_bytes=16 << 20, timeout_s=0.0)
     try:
-        for payload in PAYLOADS:
+        for payload in args.payloads:
             n = max(20, args.steps // 4) if payload == "prefill" else args.steps
             rows += run(payload, n, sock, acks, state, w)
             print(f"{payload} done", file=sys.stderr, flush=True)

@@ -85,7 +85,7 @@ def main() -> None:
             new.append(protocol.NewSeq(next_id[0], [7 + k % 100 for k in range(n)], n, 0, n,
                                        list(range(block, block + nb)), greedy))
             block += nb
-        return protocol.StepPlan(next_id[0], new, [], [])
+        return protocol.StepPlan.of(next_id[0], new, [], [])
 
     def timed(plan: protocol.StepPlan) -> float:
         t = time.perf_counter()
@@ -100,9 +100,9 @@ def main() -> None:
         first = prefill_plan([ctx] * b)
         runner.execute(first)
         ids = [ns.seq_id for ns in first.new_seqs]
-        best = min(timed(protocol.StepPlan(0, [], [protocol.RunningSeq(s, 1, []) for s in ids],
+        best = min(timed(protocol.StepPlan.of(0, [], [protocol.RunningSeq(s, 1, []) for s in ids],
                                            [])) for _ in range(args.repeats))
-        runner.execute(protocol.StepPlan(0, [], [], ids))
+        runner.execute(protocol.StepPlan.of(0, [], [], ids))
         flops = 2 * b * (n_layers * layer_params + vocab * h)
         res["decode"].append({"seqs": b, "context": ctx, "ms": best * 1e3,
                               "linear_share_of_probe": flops / best / 1e9 / res["probe_gflops"]})
@@ -112,7 +112,7 @@ def main() -> None:
         for _ in range(max(2, args.repeats // 3)):
             plan = prefill_plan([n] * b)
             times.append(timed(plan))
-            runner.execute(protocol.StepPlan(0, [], [], [ns.seq_id for ns in plan.new_seqs]))
+            runner.execute(protocol.StepPlan.of(0, [], [], [ns.seq_id for ns in plan.new_seqs]))
         flops = 2 * n * b * n_layers * layer_params + 2 * b * vocab * h
         res["prefill"].append({"tokens": n * b, "prompt": n, "ms": min(times) * 1e3,
                                "linear_share_of_probe":
@@ -167,8 +167,8 @@ def layer_profile(args) -> None:
     new = [protocol.NewSeq(i + 1, [7 + k % 100 for k in range(args.context)], args.context,
                            0, args.context, list(range(i * nb, (i + 1) * nb)), greedy)
            for i in range(args.seqs)]
-    runner.execute(protocol.StepPlan(1, new, [], []))
-    step = protocol.StepPlan(0, [], [protocol.RunningSeq(i + 1, 1, [])
+    runner.execute(protocol.StepPlan.of(1, new, [], []))
+    step = protocol.StepPlan.of(0, [], [protocol.RunningSeq(i + 1, 1, [])
                                      for i in range(args.seqs)], [])
 
     if args.clock == "thread" and torch.get_num_threads() != 1:

@@ -9,7 +9,9 @@ ratio of output tok/s (nvllm / vLLM) with its range, and the median TTFT, TPOT a
 each server. ``scripts/serve_vs_vllm.sh`` runs this; see it for the flags.
 
 The client: ``vllm bench serve --backend vllm --dataset-name random --random-input-len 256
---random-output-len 128 --num-prompts 64 --max-concurrency 16 --ignore-eos``.
+--random-output-len 128 --num-prompts 64 --max-concurrency 16 --ignore-eos``, then the same
+at concurrency 1 with 8 prompts (one user's TPOT). The client's own CPU time is printed
+beside each run's duration: it shares the 2 cores with the server it measures.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import signal
 import socket
 import statistics
@@ -87,7 +90,14 @@ def server_command(engine: str, args, dtype: str, port: int, peer_bin: pathlib.P
             "--max-model-len", str(args.max_model_len), "--seed", "0"]
 
 
-def one_run(engine: str, args, dtype: str, peer_bin: pathlib.Path, out: pathlib.Path) -> dict:
+def client_cpu_s() -> float:
+    """CPU seconds of this process's reaped children (the bench client, once it exits)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def one_run(engine: str, args, dtype: str, conc: int, peer_bin: pathlib.Path,
+            out: pathlib.Path) -> dict:
     port = free_port()
     log = open(out / f"{engine}-{dtype}-{port}.log", "w")
     env = peer_env() if engine == "vllm" else dict(os.environ)
@@ -106,11 +116,13 @@ def one_run(engine: str, args, dtype: str, peer_bin: pathlib.Path, out: pathlib.
                "--tokenizer", args.model, "--dataset-name", "random",
                "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len),
-               "--num-prompts", str(args.num_prompts),
-               "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
+               "--num-prompts", str(args.num_prompts if conc > 1 else args.num_prompts_c1),
+               "--max-concurrency", str(conc), "--ignore-eos", "--seed", "0",
                "--save-result", "--result-dir", str(out), "--result-filename", result.name]
+        cpu0 = client_cpu_s()
         r = subprocess.run(cmd, env=peer_env(), text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, timeout=args.bench_timeout)
+        client_cpu = client_cpu_s() - cpu0
         if r.returncode != 0 or not result.exists():
             sys.stderr.write(r.stdout[-6000:])
             raise RuntimeError(f"vllm bench serve against {engine} failed ({r.returncode})")
@@ -124,6 +136,7 @@ def one_run(engine: str, args, dtype: str, peer_bin: pathlib.Path, out: pathlib.
     if res.get("failed", 0):
         raise RuntimeError(f"{res['failed']} requests failed against {engine}; see {out}")
     return {"startup_s": startup, "output_tok_s": res["output_throughput"],
+            "client_cpu_s": client_cpu, "duration_s": res["duration"],
             **{m: res[m] for m in METRICS}}
 
 
@@ -137,7 +150,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 1])
+    ap.add_argument("--num-prompts-c1", type=int, default=8,
+                    help="prompts at concurrency 1 (one stream: its TPOT is the figure)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=1200)
@@ -154,30 +169,32 @@ def main() -> None:
           f"{args.output_len} out, concurrency {args.concurrency}; logs in {out}", flush=True)
     results: dict = {}
     for dtype in args.dtypes:
-        rows = results[dtype] = {"nvllm": [], "vllm": [], "ratio": []}
-        for r in range(args.rounds):
-            for engine in ("nvllm", "vllm"):
-                rows[engine].append(one_run(engine, args, dtype, peer_bin, out))
-            a, b = rows["nvllm"][-1], rows["vllm"][-1]
-            rows["ratio"].append(a["output_tok_s"] / b["output_tok_s"])
-            print(f"  {dtype} round {r + 1}: " + "; ".join(
-                f"{e} {x['output_tok_s']:.0f} tok/s, TTFT {x['median_ttft_ms']:.0f} ms, "
-                f"TPOT {x['median_tpot_ms']:.1f} ms, ITL {x['median_itl_ms']:.1f} ms"
-                for e, x in (("nvllm", a), ("vLLM", b))) + f": {rows['ratio'][-1]:.2f}x",
-                flush=True)
+        for conc in args.concurrency:
+            key = f"{dtype} c={conc}"
+            rows = results[key] = {"nvllm": [], "vllm": [], "ratio": []}
+            for r in range(args.rounds):
+                for engine in ("nvllm", "vllm"):
+                    rows[engine].append(one_run(engine, args, dtype, conc, peer_bin, out))
+                a, b = rows["nvllm"][-1], rows["vllm"][-1]
+                rows["ratio"].append(a["output_tok_s"] / b["output_tok_s"])
+                print(f"  {key} round {r + 1}: " + "; ".join(
+                    f"{e} {x['output_tok_s']:.0f} tok/s, TTFT {x['median_ttft_ms']:.0f} ms, "
+                    f"TPOT {x['median_tpot_ms']:.1f} ms, ITL {x['median_itl_ms']:.1f} ms, "
+                    f"client CPU {x['client_cpu_s']:.0f}/{x['duration_s']:.0f} s"
+                    for e, x in (("nvllm", a), ("vLLM", b))) + f": {rows['ratio'][-1]:.2f}x",
+                    flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
-    parts = []
-    for dtype, rows in results.items():
+    print("online nvllm/vLLM output tok/s (median, range; median ms nvllm/vLLM):")
+    for key, rows in results.items():
         ratio = rows["ratio"]
         med = {e: {k: statistics.median(x[k] for x in rows[e])
                    for k in ("output_tok_s", *METRICS)} for e in ("nvllm", "vllm")}
         lat = ", ".join(f"{k.split('_')[1].upper()} {med['nvllm'][k]:.1f}/{med['vllm'][k]:.1f}"
                         for k in METRICS)
-        parts.append(f"{dtype} {statistics.median(ratio):.2f}x ({min(ratio):.2f}-"
-                     f"{max(ratio):.2f}) [{med['nvllm']['output_tok_s']:.0f} vs "
-                     f"{med['vllm']['output_tok_s']:.0f} tok/s; median ms nvllm/vLLM: {lat}]")
-    print("online nvllm/vLLM output tok/s: " + "; ".join(parts))
+        print(f"  {key}: {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) "
+              f"[{med['nvllm']['output_tok_s']:.0f} vs {med['vllm']['output_tok_s']:.0f} "
+              f"tok/s; {lat}]")
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ class EngineConfig:
         False, "Load no tokenizer: prompts must be token ids, outputs carry no text.")
     max_queued_requests: int | None = _setting(
         4096, "Refuse new requests with 'overloaded' beyond this many waiting.")
-    # What one client request may carry (nvllm/common/client_protocol.py ClientLimits).
+    # What one client request may carry (nvllm/common/client_limits.py builds the limits).
     max_request_id_bytes: int = _setting(256, "Longest client request id, in bytes.")
     max_prompt_bytes: int | None = _setting(
         None, "Longest text prompt, in UTF-8 bytes, checked before tokenizing (default: "

@@ -1,109 +1,135 @@
-"""Step plans with their bulk by reference: token ids, block tables and running-sequence
-columns in a shared-memory ring (``nvllm.common.transport``), the msgpack plan carrying
-only ``ArrayRef``s.
+"""A step plan's columns, inline or in the shared-memory ring, and how a worker reads them.
 
-``pack`` moves a plan's lists into one reservation, CSR style (all new sequences' token
-ids in one int32 array plus offsets, block tables likewise) and turns running sequences
-into columns (ids, tokens to compute, new block ids as CSR), so neither side spends
-per-record msgpack work on them. ``unpack`` on a worker rebuilds the ordinary plan,
-copying out of the ring (nothing keeps a view), before the step's first collective: so
-rank 0's result for a step means every rank is done with its region, and the leader
-acknowledges the region's generation then.
+A plan's integer data are columns (worker_protocol.NewSeqs, RunningSeqs): raw bytes
+inline, or, for big plans on one host, regions of a shared-memory ring
+(``nvllm.common.transport``) that the plan names by ``ArrayRef``. ``pack`` moves a built
+plan's columns into one ring reservation (same dtypes, same layout: one form either way);
+``columns`` gives a worker every column as a numpy array, checked against the others
+(lengths, CSR offsets), whichever way it came. Ring columns are views: the worker copies
+them into its batch state before the step's first collective, so rank 0's result for a
+step means every rank is done with its region, and the leader acknowledges the region's
+generation then.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from nvllm.common import worker_protocol
 from nvllm.common.transport import ArrayReader, ArrayWriter, BadRef, RingFull
+from nvllm.common.worker_protocol import ID_DTYPE, INT_DTYPE, Column
 
 logger = logging.getLogger(__name__)
 
-# A plan with fewer ids than this and fewer sequences than MIN_BULK_SEQS goes as plain
-# lists: then a region and its ack cost more than msgpack does (measured crossover for
-# decode plans: about 40 sequences; docs/benchmarks.md, "Plan transport").
-MIN_BULK_BYTES = 16 << 10
-MIN_BULK_SEQS = 48
-NUM_ARRAYS = 8
+# A plan with fewer column bytes than this stays inline: then a region and its ack cost
+# more than the bytes do. Inline columns cost no per-sequence work, so the count of
+# sequences does not matter (scripts/bench_plan_transport.py: a 256-sequence decode plan,
+# 4 KiB, is faster inline; prefill plans of 18 KB inline and 71 KB by reference).
+MIN_BULK_BYTES = 32 << 10
+
+# (struct attribute, field, dtype) of every column, in ring order.
+_NEW = (("seq_ids", ID_DTYPE), ("num_prompt_tokens", INT_DTYPE),
+        ("num_computed_tokens", INT_DTYPE), ("num_new_tokens", INT_DTYPE),
+        ("token_ids", INT_DTYPE), ("token_offsets", INT_DTYPE), ("block_ids", INT_DTYPE),
+        ("block_offsets", INT_DTYPE))
+_RUN = (("seq_ids", ID_DTYPE), ("num_new_tokens", INT_DTYPE), ("new_block_ids", INT_DTYPE),
+        ("new_block_offsets", INT_DTYPE))
+COLUMNS = tuple(("new_cols", f, dt) for f, dt in _NEW) + tuple(
+    ("running_cols", f, dt) for f, dt in _RUN)
+NUM_ARRAYS = len(COLUMNS)
+
+
+def _inline_bytes(col: Column) -> int:
+    return len(col) if isinstance(col, bytes) else 0
 
 
 def bulk_bytes(plan: worker_protocol.StepPlan) -> int:
-    n = sum(len(s.token_ids) + len(s.block_table) + 1 for s in plan.new_seqs)
-    return 4 * (n + sum(3 + len(r.new_block_ids) for r in plan.running))
+    """The bytes of the plan's inline columns."""
+    return sum(_inline_bytes(getattr(getattr(plan, s), f)) for s, f, _ in COLUMNS)
 
 
 def pack(plan: worker_protocol.StepPlan, writer: ArrayWriter) -> int:
-    """Move the plan's lists into the ring (in place: the plan then carries refs).
-    Returns the region's generation to acknowledge, or 0 if the plan stays as lists
+    """Move the plan's inline columns into the ring (in place: the plan then carries
+    refs). Returns the region's generation to acknowledge, or 0 if the plan stays inline
     (small, or the ring is full: acknowledgements are not arriving)."""
     size = bulk_bytes(plan)
-    if size < MIN_BULK_BYTES and len(plan.new_seqs) + len(plan.running) < MIN_BULK_SEQS:
+    if size < MIN_BULK_BYTES:
         return 0
     if size > writer.capacity // 2:  # two plans are in flight with async scheduling
         return 0
-    new, run = plan.new_seqs, plan.running
-    columns = [[s.token_ids for s in new], [s.block_table for s in new],
-               [r.new_block_ids for r in run]]
-    specs = []
-    for lists in columns[:2]:
-        specs += [((sum(map(len, lists)),), "int32"), ((len(lists) + 1,), "int32")]
-    specs += [((len(run),), "int64"), ((len(run),), "int32"),
-              ((sum(map(len, columns[2])),), "int32"), ((len(run) + 1,), "int32")]
+    cols = [getattr(getattr(plan, s), f) for s, f, _ in COLUMNS]
+    if not all(isinstance(c, bytes) for c in cols):
+        return 0
+    specs = [((len(c) // dt.itemsize,), dt.name) for c, (_, _, dt) in zip(cols, COLUMNS)]
     try:
         res = writer.reserve(specs, timeout_s=0.0)
     except RingFull:
         logger.warning("plan ring full (workers have not acknowledged older plans): "
                        "sending step %d inline", plan.step_id)
         return 0
-    a = res.arrays
-
-    def csr(vals: np.ndarray, off: np.ndarray, lists: list[list[int]]) -> None:
-        vals[:] = list(itertools.chain.from_iterable(lists))  # one C-level conversion
-        off[0] = 0
-        np.cumsum([len(x) for x in lists], out=off[1:])
-
-    csr(a[0], a[1], columns[0])
-    csr(a[2], a[3], columns[1])
-    a[4][:] = [r.seq_id for r in run]
-    a[5][:] = [r.num_new_tokens for r in run]
-    csr(a[6], a[7], columns[2])
-    refs = res.commit()
-    for s in new:
-        s.token_ids, s.block_table = [], []
-    plan.running = []
-    plan.bulk = [r.encode() for r in refs]
+    for a, c, (_, _, dt) in zip(res.arrays, cols, COLUMNS):
+        a[:] = np.frombuffer(c, dt)
+    for ref, (s, f, _) in zip(res.commit(), COLUMNS):
+        setattr(getattr(plan, s), f, ref.encode())
     return res.generation
 
 
-def unpack(plan: worker_protocol.StepPlan, reader: ArrayReader) -> None:
-    """Rebuild the plan's lists from its refs (in place). A ref that cannot be resolved,
-    or arrays that do not fit the plan, raise ValueError naming the problem."""
-    if plan.bulk is None:
-        return
-    if len(plan.bulk) != NUM_ARRAYS:
-        raise ValueError(f"plan arrays: expected {NUM_ARRAYS} refs, got {len(plan.bulk)}")
+@dataclass(slots=True)
+class PlanColumns:
+    """Every column of a plan as a numpy array (int64 ids, int32 the rest)."""
+
+    new_ids: np.ndarray
+    new_num_prompt: np.ndarray
+    new_num_computed: np.ndarray
+    new_num_new: np.ndarray
+    new_tokens: np.ndarray  # CSR with new_token_offsets
+    new_token_offsets: np.ndarray
+    new_blocks: np.ndarray  # CSR with new_block_offsets
+    new_block_offsets: np.ndarray
+    run_ids: np.ndarray
+    run_num_new: np.ndarray
+    run_blocks: np.ndarray  # CSR with run_block_offsets
+    run_block_offsets: np.ndarray
+
+
+def _array(col: Column, dt: np.dtype, reader: ArrayReader | None, what: str) -> np.ndarray:
+    if isinstance(col, bytes):
+        if len(col) % dt.itemsize:
+            raise ValueError(f"plan column {what}: {len(col)} bytes of {dt.name}")
+        return np.frombuffer(col, dt)
+    if reader is None:
+        raise ValueError(f"plan column {what}: a ring reference, and no ring here")
     try:
-        tok, tok_off, blk, blk_off, run_ids, run_n, run_blk, run_off = (
-            reader.get(r).tolist() for r in plan.bulk)
+        a = reader.get(col)
     except BadRef as e:
-        raise ValueError(f"plan arrays: {e}") from None
-    new = plan.new_seqs
+        raise ValueError(f"plan column {what}: {e}") from None
+    if a.dtype != dt or a.ndim != 1:
+        raise ValueError(f"plan column {what}: {a.dtype}{list(a.shape)}, expected {dt.name}")
+    return a
 
-    def split(vals: list[int], off: list[int], n: int, what: str) -> list[list[int]]:
-        if (len(off) != n + 1 or off[0] != 0 or off[-1] != len(vals)
-                or any(b < a for a, b in zip(off, off[1:]))):
-            raise ValueError(f"plan arrays: offsets of {what} do not fit {n} sequences")
-        return [vals[a:b] for a, b in zip(off, off[1:])]
 
-    for s, t, b in zip(new, split(tok, tok_off, len(new), "token ids"),
-                       split(blk, blk_off, len(new), "block tables")):
-        s.token_ids, s.block_table = t, b
-    if len(run_n) != len(run_ids):
+def _check_csr(off: np.ndarray, n: int, flat: np.ndarray, what: str) -> None:
+    if (len(off) != n + 1 or off[0] != 0 or off[-1] != len(flat)
+            or (n and bool((np.diff(off) < 0).any()))):
+        raise ValueError(f"plan arrays: offsets of {what} do not fit {n} sequences")
+
+
+def columns(plan: worker_protocol.StepPlan, reader: ArrayReader | None) -> PlanColumns:
+    """The plan's columns as arrays (views of the frame or the ring), checked for shape:
+    equal lengths per group, CSR offsets that fit. ValueError says what is wrong."""
+    arrs = [_array(getattr(getattr(plan, s), f), dt, reader, f"{s}.{f}")
+            for s, f, dt in COLUMNS]
+    c = PlanColumns(*arrs)
+    n, r = len(c.new_ids), len(c.run_ids)
+    if not (len(c.new_num_prompt) == len(c.new_num_computed) == len(c.new_num_new) == n
+            == len(plan.new_cols.sampling)):
+        raise ValueError("plan arrays: new-sequence columns of different lengths")
+    if len(c.run_num_new) != r:
         raise ValueError("plan arrays: running columns of different lengths")
-    plan.running = [worker_protocol.RunningSeq(i, n, b) for i, n, b in
-                    zip(run_ids, run_n, split(run_blk, run_off, len(run_ids), "new blocks"))]
-    plan.bulk = None
+    _check_csr(c.new_token_offsets, n, c.new_tokens, "token ids")
+    _check_csr(c.new_block_offsets, n, c.new_blocks, "block tables")
+    _check_csr(c.run_block_offsets, r, c.run_blocks, "new blocks")
+    return c

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nvllm.common.client_limits import MAX_LOGPROBS
 from nvllm.common.structured_outputs import StructuredOutputsParams
 from nvllm.common.utils import INT64_MAX, is_int, shown
 
@@ -13,7 +14,7 @@ from nvllm.common.utils import INT64_MAX, is_int, shown
 # (as vLLM does), so such requests are greedy.
 GREEDY_BELOW = 1e-5
 # logit_bias: OpenAI's value range, and the most entries any request may carry (operators
-# set a lower per-request bound, ClientLimits.max_logit_bias; this one guards LLM(...) and
+# set a lower per-request bound, max_logit_bias, on the wire; this one guards LLM(...) and
 # any other caller from a map the workers would rebuild every step).
 LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 65536
@@ -116,12 +117,10 @@ class SamplingParams:
                              "its structure is complete")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
-        lp = self.logprobs
-        if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
-            raise bad("logprobs", "must be None or an integer in [0, 20]")
-        lp = self.prompt_logprobs
-        if lp is not None and (not is_int(lp) or not 0 <= lp <= 20):
-            raise bad("prompt_logprobs", "must be None or an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

@@ -1,59 +1,185 @@
-"""The leader <-> worker wire protocol: message dataclasses and their msgpack codec.
+"""The leader <-> worker wire protocol: typed messages (msgspec Structs) and their codec.
 
-Messages travel as msgpack arrays ``[kind, field0, field1, ...]`` (positional, so a
-running decode costs a handful of bytes per sequence). Decoding checks every field's
-type, so a malformed frame becomes a ``ProtocolError``, never a half-built message.
-Nothing here is ever unpickled.
+Every message is an array-like Struct whose integer tag is its ``KIND``, so a frame is the
+msgpack array ``[kind, field0, field1, ...]``. One ``msgspec.msgpack.Decoder`` over the
+union of messages checks every field's type and static constraint while it decodes: a
+malformed frame becomes a ``ProtocolError`` naming the field's path (msgspec's
+``$[2][0]``), never a half-built message. Nothing here is ever unpickled.
+
+A step plan's integer data travel as columns (``Column``): raw little-endian bytes
+(msgpack bin; the worker reads them with ``np.frombuffer``, no per-element work), or, for
+big plans on one host, an ``ArrayRef`` into the shared-memory ring
+(nvllm/common/plan_arrays.py) in the same field. Either way the worker reads each column
+straight into its batch state without building per-sequence objects.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-import msgpack
+import msgspec
+import numpy as np
+from msgspec import Meta, Struct
 
 from nvllm.common.errors import ProtocolError
-from nvllm.common.utils import is_int
 
-# Field type specs: "int", "float", "str", "bool", "any", "ints" (list of int), "floats"
-# (list of int or float, decoded as floats), "?int" (int or None), a message class
-# (nested), or [cls] (list of nested).
+NonNeg = Annotated[int, Meta(ge=0)]
+Rank = Annotated[int, Meta(ge=0)]
+# A column: the array's raw little-endian bytes, or an ArrayRef's list form (a region of
+# the plan ring; plan_arrays resolves and checks it).
+Column = bytes | list
+
+# Column dtypes, by role: sequence ids can exceed 2**31; counts, token and block ids and
+# CSR offsets cannot (max_model_len, the vocabulary and the cache are far below it).
+ID_DTYPE = np.dtype("<i8")
+INT_DTYPE = np.dtype("<i4")
 
 
-@dataclass(slots=True)
-class WorkerSampling:
-    """What rank 0 needs to sample one sequence (a subset of SamplingParams)."""
+class WorkerSampling(Struct, array_like=True, forbid_unknown_fields=True):
+    """What rank 0 needs to sample one sequence (a subset of SamplingParams). Trailing
+    fields with defaults may be left off the wire (a field added later costs old frames
+    nothing)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: NonNeg = 0
     min_p: float = 0.0
     seed: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)  # masked until min_tokens
+    min_tokens: NonNeg = 0
+    stop_token_ids: list[NonNeg] = []  # masked until min_tokens
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | None = None
+    logprobs: NonNeg | None = None
     # Rank 0 masks the logits with this compiled grammar (sent before in LoadGrammars).
     grammar_key: str | None = None
     # logit_bias as two parallel lists, ids unique and inside the vocabulary (the leader
     # checked them): rank 0 adds them to the row as they are, with no map to rebuild.
-    logit_bias_ids: list[int] = field(default_factory=list)
-    logit_bias_values: list[float] = field(default_factory=list)
+    logit_bias_ids: list[NonNeg] = []
+    logit_bias_values: list[float] = []
     # Top-k of the prompt positions this sequence computes (None: do not score the prompt;
     # the leader sets it on one sequence of a request, until its prompt is scored).
-    prompt_logprobs: int | None = None
-    SPEC: ClassVar[tuple] = ("float", "float", "int", "float", "?int", "int", "ints",
-                             "float", "float", "float", "?int", "?str", "ints", "floats",
-                             "?int")
+    prompt_logprobs: NonNeg | None = None
+
+
+def column(values: Any, dtype: np.dtype) -> bytes:
+    """A column's inline form: `values` (a sequence or array of ints) as raw bytes."""
+    return np.asarray(values, dtype).tobytes()
+
+
+def csr(lists: list, dtype: np.dtype = INT_DTYPE) -> tuple[bytes, bytes]:
+    """Lists of ints as (flat values, offsets): list i is flat[offsets[i]:offsets[i + 1]].
+    One C-level pass over the values (itertools.chain into np.fromiter)."""
+    offsets = np.zeros(len(lists) + 1, INT_DTYPE)
+    np.cumsum([len(x) for x in lists], out=offsets[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype, int(offsets[-1]))
+    return flat.tobytes(), offsets.tobytes()
+
+
+EMPTY_OFFSETS = column([0], INT_DTYPE)
+
+
+class NewSeqs(Struct, array_like=True, forbid_unknown_fields=True):
+    """Sequences the workers do not hold yet (new, or resumed after preemption), whole,
+    as columns of n entries: ids (int64), prompt length, tokens already in the KV cache
+    (a prefix hit), tokens to compute this step (int32); every known token (prompt +
+    generated) and the block table as CSR (int32 values, n + 1 int32 offsets); and the
+    sampling parameters, one object each (rare: a sequence sends them once)."""
+
+    seq_ids: Column = b""
+    num_prompt_tokens: Column = b""
+    num_computed_tokens: Column = b""
+    num_new_tokens: Column = b""
+    token_ids: Column = b""
+    token_offsets: Column = EMPTY_OFFSETS
+    block_ids: Column = b""
+    block_offsets: Column = EMPTY_OFFSETS
+    sampling: list[WorkerSampling] = []
+
+
+class RunningSeqs(Struct, array_like=True, forbid_unknown_fields=True):
+    """Deltas for sequences the workers hold, as columns of n entries: ids (int64), tokens
+    to compute (int32), blocks appended to the table since the last plan (CSR). No token
+    ids: every rank appends the tokens the group samples itself (rank 0 broadcasts them),
+    so a plan can be sent before the leader has seen the previous step's tokens."""
+
+    seq_ids: Column = b""
+    num_new_tokens: Column = b""
+    new_block_ids: Column = b""
+    new_block_offsets: Column = EMPTY_OFFSETS
+
+
+class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
+    """One step for every rank: ``new`` and ``running`` sequences (columns; the step's
+    order is new then running) and the ids of sequences to drop (finished, aborted or
+    preempted; a plain list: few per step).
+
+    Later features add a column, not a reshaping: speculative tokens to verify per
+    running sequence become a CSR pair in RunningSeqs (``spec_token_ids``,
+    ``spec_offsets``), tokens to roll back a per-sequence int32 column there
+    (``num_rollback``), and a weight version one int field of StepPlan; each goes last
+    with a default, so frames without it still decode.
+    """
+
+    step_id: NonNeg
+    new_cols: NewSeqs = msgspec.field(default_factory=NewSeqs)
+    running_cols: RunningSeqs = msgspec.field(default_factory=RunningSeqs)
+    finished_ids: list[NonNeg] = []
+    KIND: ClassVar[int] = 1
+
+    @classmethod
+    def of(cls, step_id: int, new_seqs: list[NewSeq], running: list[RunningSeq],
+           finished_ids: list[int]) -> StepPlan:
+        """A plan from per-sequence records (tests, tools; the engine's PlanBuilder
+        writes the columns directly)."""
+        tok, tok_off = csr([s.token_ids for s in new_seqs])
+        blk, blk_off = csr([s.block_table for s in new_seqs])
+        rblk, rblk_off = csr([r.new_block_ids for r in running])
+        return cls(step_id, NewSeqs(
+            column([s.seq_id for s in new_seqs], ID_DTYPE),
+            column([s.num_prompt_tokens for s in new_seqs], INT_DTYPE),
+            column([s.num_computed_tokens for s in new_seqs], INT_DTYPE),
+            column([s.num_new_tokens for s in new_seqs], INT_DTYPE),
+            tok, tok_off, blk, blk_off, [s.sampling for s in new_seqs]),
+            RunningSeqs(column([r.seq_id for r in running], ID_DTYPE),
+                        column([r.num_new_tokens for r in running], INT_DTYPE), rblk,
+                        rblk_off), list(finished_ids))
+
+    @property
+    def new_seqs(self) -> list[NewSeq]:
+        """The new sequences as records (inline plans only; for tests and logs)."""
+        n = self.new_cols
+        ids = _ints(n.seq_ids, ID_DTYPE)
+        npr, nc, nn = (_ints(c) for c in (n.num_prompt_tokens, n.num_computed_tokens,
+                                          n.num_new_tokens))
+        toks = _split(n.token_ids, n.token_offsets)
+        blks = _split(n.block_ids, n.block_offsets)
+        return [NewSeq(*t) for t in zip(ids, toks, npr, nc, nn, blks, n.sampling)]
+
+    @property
+    def running(self) -> list[RunningSeq]:
+        """The running sequences as records (inline plans only; for tests and logs)."""
+        r = self.running_cols
+        return [RunningSeq(*t) for t in zip(_ints(r.seq_ids, ID_DTYPE), _ints(r.num_new_tokens),
+                                            _split(r.new_block_ids, r.new_block_offsets))]
+
+
+def _ints(col: Column, dtype: np.dtype = INT_DTYPE) -> list[int]:
+    if not isinstance(col, bytes):
+        raise TypeError("a column in the plan ring: read it with plan_arrays.columns")
+    return np.frombuffer(col, dtype).tolist()
+
+
+def _split(flat: Column, offsets: Column) -> list[list[int]]:
+    vals, off = _ints(flat), _ints(offsets)
+    return [vals[a:b] for a, b in zip(off, off[1:])]
 
 
 @dataclass(slots=True)
 class NewSeq:
-    """A sequence the workers do not hold yet (new, or resumed after preemption)."""
+    """One new sequence as a record (StepPlan.of, StepPlan.new_seqs); not on the wire."""
 
     seq_id: int
     token_ids: list[int]  # every token known so far: prompt + generated
@@ -61,45 +187,28 @@ class NewSeq:
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit)
     num_new_tokens: int  # tokens to compute this step
     block_table: list[int]
-    sampling: WorkerSampling
-    SPEC: ClassVar[tuple] = ("int", "ints", "int", "int", "int", "ints", WorkerSampling)
+    sampling: WorkerSampling = field(default_factory=WorkerSampling)
 
 
 @dataclass(slots=True)
 class RunningSeq:
-    """Delta for a sequence the workers already hold. No token ids: every rank appends
-    the tokens the group samples itself (rank 0 broadcasts them), so a plan can be sent
-    before the leader has seen the previous step's tokens (async scheduling)."""
+    """One running sequence's delta as a record; not on the wire."""
 
     seq_id: int
     num_new_tokens: int
     new_block_ids: list[int]  # blocks appended to the block table since the last plan
-    SPEC: ClassVar[tuple] = ("int", "int", "ints")
 
 
-@dataclass(slots=True)
-class StepPlan:
-    step_id: int
-    new_seqs: list[NewSeq]
-    running: list[RunningSeq]
-    finished_ids: list[int]  # finished, aborted or preempted: workers drop their state
-    # Big plans on one host: encoded ArrayRefs (nvllm.common.plan_arrays) holding the new
-    # sequences' token ids and block tables and the running sequences as columns; then
-    # those lists travel empty. None: everything is in the lists.
-    bulk: list | None = None
-    KIND: ClassVar[int] = 1
-    SPEC: ClassVar[tuple] = ("int", [NewSeq], [RunningSeq], "ints", "?refs")
-
-
-@dataclass(slots=True)
-class InitKVCache:
-    num_blocks: int
+class InitKVCache(Struct, array_like=True, forbid_unknown_fields=True, tag=2):
+    num_blocks: NonNeg
     KIND: ClassVar[int] = 2
-    SPEC: ClassVar[tuple] = ("int",)
 
 
-@dataclass(slots=True)
-class LoadGrammars:
+class Shutdown(Struct, array_like=True, forbid_unknown_fields=True, tag=3):
+    KIND: ClassVar[int] = 3
+
+
+class LoadGrammars(Struct, array_like=True, forbid_unknown_fields=True, tag=4):
     """To rank 0 only, before the plan that first needs them: compiled grammars for
     structured output (xgrammar's serialized JSON) by key, the TokenizerInfo they were
     compiled against (with the group's first grammars, else None), and keys to forget."""
@@ -109,35 +218,25 @@ class LoadGrammars:
     data: list[str]
     drop: list[str]
     KIND: ClassVar[int] = 4
-    SPEC: ClassVar[tuple] = ("?str", "strs", "strs", "strs")
 
 
-@dataclass(slots=True)
-class Shutdown:
-    KIND: ClassVar[int] = 3
-    SPEC: ClassVar[tuple] = ()
-
-
-@dataclass(slots=True)
-class WorkerReady:
+class WorkerReady(Struct, array_like=True, forbid_unknown_fields=True, tag=10):
     """Sent by every rank after loading weights (num_blocks: what fits in its budget;
     load_s and peak_rss_mib: how long loading took and the process's peak memory), and
     again after the KV cache is allocated (stage 'kv')."""
 
-    rank: int
+    rank: Rank
     stage: str
-    num_blocks: int
+    num_blocks: NonNeg
     load_s: float = 0.0
     peak_rss_mib: float = 0.0
     KIND: ClassVar[int] = 10
-    SPEC: ClassVar[tuple] = ("int", "str", "int", "float", "float")
 
 
-@dataclass(slots=True)
-class StepResult:
-    step_id: int
-    seq_ids: list[int]  # sequences that sampled a token this step
-    token_ids: list[int]
+class StepResult(Struct, array_like=True, forbid_unknown_fields=True, tag=11):
+    step_id: NonNeg
+    seq_ids: list[NonNeg]  # sequences that sampled a token this step
+    token_ids: list[NonNeg]
     # Per sampled sequence when asked: [logprob of the token, [[id, logprob], ...]]
     logprobs: list | None
     worker_time_s: float
@@ -146,17 +245,14 @@ class StepResult:
     # first + j (>= 1) given the tokens before it. None: no sequence asked.
     prompt_logprobs: list | None = None
     KIND: ClassVar[int] = 11
-    SPEC: ClassVar[tuple] = ("int", "ints", "ints", "any", "float", "any")
 
 
-@dataclass(slots=True)
-class WorkerError:
-    rank: int
+class WorkerError(Struct, array_like=True, forbid_unknown_fields=True, tag=12):
+    rank: Rank
     step_id: int
     message: str
     traceback: str
     KIND: ClassVar[int] = 12
-    SPEC: ClassVar[tuple] = ("int", "int", "str", "str")
 
 
 MESSAGES: dict[int, type] = {
@@ -164,83 +260,25 @@ MESSAGES: dict[int, type] = {
                         WorkerError)
 }
 
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _enc(obj: Any) -> Any:
-    # Hot path (every step): lists of ints and floats go to msgpack as they are; only
-    # dataclasses, and lists of them, are unfolded.
-    cls = type(obj)
-    if cls is list:
-        return [_enc(x) for x in obj] if obj and dataclasses.is_dataclass(obj[0]) else obj
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        if not dataclasses.is_dataclass(obj):
-            return obj
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(obj))
-    return [_enc(getattr(obj, n)) for n in names]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(
+    StepPlan | InitKVCache | LoadGrammars | Shutdown | WorkerReady | StepResult
+    | WorkerError)
 
 
 def encode(msg: Any) -> bytes:
-    return msgpack.packb([msg.KIND, *_enc(msg)[:]], use_bin_type=True)
-
-
-
-def _is_ref(r: Any) -> bool:
-    from nvllm.common.transport.refs import ArrayRef, BadRef
-
-    try:
-        ArrayRef.decode(r)
-    except BadRef:
-        return False
-    return True
-
-
-# Leaf field checks, by spec name (built once: _dec runs for every field of every frame).
-_CHECKS: dict[str, Any] = {
-    "int": is_int,
-    "?int": lambda x: x is None or is_int(x),
-    "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-    "str": lambda x: isinstance(x, str),
-    "?str": lambda x: x is None or isinstance(x, str),
-    "strs": lambda x: type(x) is list and all(type(i) is str for i in x),
-    "bool": lambda x: isinstance(x, bool),
-    # type() is int: a C-speed check per element that also refuses bools.
-    "ints": lambda x: type(x) is list and all(type(i) is int for i in x),
-    "floats": lambda x: type(x) is list and all(type(i) in (float, int) for i in x),
-    "any": lambda x: True,
-    "?refs": lambda x: x is None or (type(x) is list and all(_is_ref(r) for r in x)),
-}
-
-
-def _dec(spec: Any, v: Any, where: str) -> Any:
-    if isinstance(spec, list):
-        if not isinstance(v, list):
-            raise ProtocolError(f"{where}: expected a list")
-        return [_dec(spec[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
-    if isinstance(spec, type):
-        if not isinstance(v, list) or len(v) != len(spec.SPEC):
-            raise ProtocolError(f"{where}: expected {spec.__name__} with {len(spec.SPEC)} fields")
-        return spec(*[_dec(s, x, f"{where}.{f.name}")
-                      for s, x, f in zip(spec.SPEC, v, dataclasses.fields(spec))])
-    if not _CHECKS[spec](v):
-        raise ProtocolError(f"{where}: expected {spec}, got {type(v).__name__}")
-    if spec == "float":
-        return float(v)
-    return [float(x) for x in v] if spec == "floats" else v
+    return _encoder.encode(msg)
 
 
 def decode(data: bytes, max_bytes: int = 1 << 30) -> Any:
+    """The message in `data`; ProtocolError for a frame over `max_bytes` or one that is
+    not exactly a well-typed message (the error names the field's path)."""
     if len(data) > max_bytes:
         raise ProtocolError(f"frame of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"not a msgpack frame: {e}") from None
-    if not isinstance(obj, list) or not obj or not is_int(obj[0]):
-        raise ProtocolError("frame is not [kind, ...]")
-    cls = MESSAGES.get(obj[0])
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {obj[0]}")
-    return _dec(cls, obj[1:], cls.__name__)
+        return _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        what = "message kind" if str(e).endswith("`$[0]`") else "message"  # the tag
+        raise ProtocolError(f"bad {what}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"not a msgpack message frame: {e}") from None

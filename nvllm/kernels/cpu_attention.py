@@ -26,6 +26,7 @@ is preempted. ``ops.attention`` sends a layer here when the metadata carries tho
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,7 @@ class CpuKVStore:
         if kv is not None:
             self.nbytes -= kv.nbytes
 
-    def views_for_step(self, seq_ids: list[int], block_tables: list[list[int]],
+    def views_for_step(self, seq_ids: list[int], block_tables: Sequence[Sequence[int]],
                        query_lens: list[int], context_lens: list[int]) -> StepViews:
         """Make room in each sequence's copy for this step's tokens (sequence i computes
         its last query_lens[i] of context_lens[i] tokens) and return the step's views."""
@@ -151,7 +152,7 @@ class CpuKVStore:
             decode = DecodeRows(dec[0], rows, bases, caps, lens)
         return StepViews(dst, keys, values, with_copy, decode, firsts)
 
-    def _copy_for(self, seq_id: int, block_table: list[int], done: int,
+    def _copy_for(self, seq_id: int, block_table: Sequence[int], done: int,
                   end: int) -> torch.Tensor | None:
         """The sequence's copy with room for its tokens up to `end`, those before `done`
         filled (from self.offsets[seq_id] on); None (read the pages) when the budget is
@@ -186,7 +187,8 @@ class CpuKVStore:
         if kv is not None:
             new[:, :, :, :done - start] = kv[:, :, :, start - off:done - off]
         elif done > start:  # from the pages of positions start..done - 1 only
-            blocks = torch.tensor(block_table[start // bs:cdiv(done, bs)], device=new.device)
+            blocks = torch.as_tensor(block_table[start // bs:cdiv(done, bs)], dtype=torch.long,
+                                     device=new.device)
             pages = self.kv_cache[:, :, blocks].reshape(2, layers, -1, kvh, d)
             a = start % bs
             new[:, :, :, :done - start] = pages[:, :, a:a + done - start].permute(1, 0, 3, 2, 4)

@@ -33,7 +33,7 @@ class KVBlock:
     # token ids and the parent's entry id, so a hash collision can never serve wrong KV
     # (entry ids are never reused, unlike block ids).
     block_hash: bytes | None = None
-    token_ids: tuple[int, ...] | None = None
+    tokens: tuple[int, ...] | None = None
     entry_id: int = 0
     parent_entry_id: int = 0
 
@@ -63,7 +63,7 @@ class BlockPool:
                parent_entry_id: int) -> KVBlock | None:
         block = self._cached.get(block_hash)
         if (block is None or block.parent_entry_id != parent_entry_id
-                or block.token_ids != tuple(token_ids)):
+                or block.tokens != tuple(token_ids)):
             return None
         return block
 
@@ -90,7 +90,7 @@ class BlockPool:
         block = self.blocks[block_id]
         assert block.block_hash is None and block_hash not in self._cached
         block.block_hash = block_hash
-        block.token_ids = tuple(token_ids)
+        block.tokens = tuple(token_ids)
         block.parent_entry_id = parent_entry_id
         block.entry_id = self._next_entry_id
         self._next_entry_id += 1
@@ -137,7 +137,7 @@ class BlockPool:
             del self._cached[block.block_hash]
             self._live_entries.discard(block.entry_id)
         block.block_hash = None
-        block.token_ids = None
+        block.tokens = None
         block.entry_id = block.parent_entry_id = 0
 
     def reset_prefix_cache(self) -> bool:

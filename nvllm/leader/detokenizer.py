@@ -6,18 +6,57 @@ word right) and the tokens since the last emitted character. A window whose deco
 in U+FFFD is an incomplete multi-byte character: nothing is emitted until it completes.
 Stop strings are found in the whole text, and the last ``max(len(stop)) - 1``
 characters are held back while generating, so a stream never shows part of a stop string.
+
+Each new token costs two decodes, on the leader's step loop: they go straight to the
+``tokenizers`` backend (``fast_decoder``), a quarter of the cost of the transformers
+wrapper's ``decode`` around it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 CONTEXT_TOKENS = 5
+
+Decode = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
+
+
+# transformers' generic fast-tokenizer modules, whose decode is the backend's text plus
+# the optional clean-up (v4: tokenization_utils_fast; v5: tokenization_utils_tokenizers).
+_GENERIC_DECODE = ("transformers.tokenization_utils_base", "transformers.tokenization_utils_fast",
+                   "transformers.tokenization_utils_tokenizers")
+
+
+def _decode_is_generic(tokenizer) -> bool:
+    """Neither ``decode`` nor ``_decode`` is a model tokenizer's own override."""
+    mro = type(tokenizer).__mro__
+    for name in ("decode", "_decode"):
+        owner = next((k for k in mro if name in vars(k)), None)
+        if owner is None or owner.__module__ not in _GENERIC_DECODE:
+            return False
+    return True
+
+
+def fast_decoder(tokenizer) -> Decode:
+    """``tokenizer.decode``, through the ``tokenizers`` backend when the wrapper adds
+    nothing to the backend's text (transformers' generic decode, without
+    ``clean_up_tokenization_spaces``): the same text without the wrapper's per-call
+    overhead. Any other tokenizer is called as it is."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and hasattr(backend, "decode") and _decode_is_generic(tokenizer)
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, stop: list[str] | None = None,
                  include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, decode: Decode | None = None) -> None:
+        """decode: the tokenizer's decode to use (the output processor shares one
+        ``fast_decoder`` among its completions); default ``fast_decoder(tokenizer)``."""
         self.tokenizer = tokenizer
+        self.decode = decode or (None if tokenizer is None else fast_decoder(tokenizer))
         ctx = list(prompt_token_ids[-CONTEXT_TOKENS:]) if tokenizer is not None else []
         self.ids: list[int] = ctx
         self.prefix_offset = 0
@@ -30,7 +69,7 @@ class IncrementalDetokenizer:
         self.sent = 0  # characters of text already handed out
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self.decode(ids, self.skip_special)
 
     def add(self, token_ids: list[int], finished: bool = False) -> tuple[str, bool]:
         """Feed new tokens; returns (text delta to emit, True if a stop string was hit)."""

@@ -153,11 +153,11 @@ class LLMEngine:
             raise RequestRejected("this request id is already in use")
         if req.params.structured_outputs is not None:
             grammar = grammar or self.grammar_future(req.params.structured_outputs).result()
-            for seq in req.seqs:
-                seq.grammar = grammar
+        else:
+            grammar = None
         self.output_processor.add_request(req)
         for seq in req.seqs:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, grammar)
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, req.request_id))
         return req
@@ -253,6 +253,7 @@ class LLMEngine:
             if load is not None:
                 self.executor.send_first(load)
         plan = self.plan_builder.build(sched, self.scheduler.take_finished_seq_ids())
+        self.scheduler.mark_sent(sched)
         plan_bytes, generation = self.executor.send(plan)
         self._inflight.append(InFlight(plan.step_id, sched, prompt_tokens, plan_bytes,
                                        generation))
@@ -337,13 +338,8 @@ class LLMEngine:
         if not self.executor.restart(error):
             return False
         self.worker_grammars.reset()  # the new rank 0 holds none
-        suspects = []
-        for req in self._requests.values():
-            for seq in req.seqs:
-                if not seq.is_finished and (seq.on_worker or seq.num_pending):
-                    seq.deaths_in_flight += 1
-            if any(s.deaths_in_flight >= MAX_DEATHS_IN_FLIGHT for s in req.seqs):
-                suspects.append(req.request_id)
+        dying = self.scheduler.count_worker_death(MAX_DEATHS_IN_FLIGHT)
+        suspects = [rid for rid in self._requests if rid in dying]  # admission order
         self._inflight.clear()  # their tokens died with the workers
         self.scheduler.requeue_all()
         self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds

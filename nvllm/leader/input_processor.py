@@ -9,13 +9,19 @@ state, so a request that fails here has changed nothing.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any
 
+from nvllm.common.client_limits import client_limits
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import RequestRejected
+from nvllm.common.request_checks import (
+    check_fits,
+    check_params,
+    check_prompt_ids,
+    check_scheduling,
+)
 from nvllm.common.sampling_params import SamplingParams
-from nvllm.common.utils import cdiv, is_int
+from nvllm.common.utils import cdiv
 from nvllm.leader.request import Request
 from nvllm.leader.sequence import Sequence
 
@@ -24,6 +30,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any, capacity_tokens: int) -> None:
         assert config.model_info is not None, "EngineConfig.finalize() first"
         self.config = config
+        self.limits = client_limits(config)  # the same limits the client wire enforces
         self.tokenizer = tokenizer
         self.vocab_size = config.model_info.vocab_size
         self.eos_token_ids = list(config.model_info.eos_token_ids)
@@ -37,11 +44,7 @@ class InputProcessor:
                 ttl_ms: float | None = None) -> Request:
         """A request ready to admit, or RequestRejected saying which limit it breaks."""
         params = params or SamplingParams()
-        if not is_int(priority):
-            raise RequestRejected(f"priority must be an integer, got {type(priority).__name__}")
-        if ttl_ms is not None and (not isinstance(ttl_ms, (int, float))
-                                   or isinstance(ttl_ms, bool) or not 0 < ttl_ms < math.inf):
-            raise RequestRejected("ttl_ms must be a positive number")
+        check_scheduling(priority, ttl_ms)
         text = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -83,38 +86,13 @@ class InputProcessor:
                    (cdiv(window + self.config.max_num_batched_tokens, bs) + 1) * bs)
 
     def _validate(self, ids: Any, params: SamplingParams) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise RequestRejected("prompt is empty: give at least one token")
-        for pos, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                shown = t if isinstance(t, int) else f"of type {type(t).__name__}"
-                raise RequestRejected(
-                    f"token id {shown} at position {pos} is outside the vocabulary "
-                    f"(valid ids are 0..{self.vocab_size - 1})")
-        bad_stop = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
-        if bad_stop:
-            raise RequestRejected(f"stop_token_ids holds {len(bad_stop)} id(s) outside the "
-                                  f"vocabulary (valid ids are 0..{self.vocab_size - 1})")
-        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad_bias:
-            raise RequestRejected(f"logit_bias holds {len(bad_bias)} id(s) outside the "
-                                  f"vocabulary (valid ids are 0..{self.vocab_size - 1})")
-        if params.n > self.config.max_num_seqs:
-            # Its completions could never run together (and a huge n is a cheap way to
-            # make the leader build millions of sequences).
-            raise RequestRejected(f"n={params.n} exceeds max_num_seqs "
-                                  f"{self.config.max_num_seqs}; ask for fewer completions")
-        n, limit = len(ids), self.config.max_model_len
-        if n > limit:
-            raise RequestRejected(f"prompt has {n} tokens, max_model_len is {limit}")
-        if n + params.max_tokens > limit:
-            raise RequestRejected(
-                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
-                f"{params.max_tokens} exceeds max_model_len {limit}; lower max_tokens to "
-                f"{limit - n} or less")
+        ids = check_prompt_ids(ids, self.limits)
+        check_params(params, self.limits)
+        n = len(ids)
+        check_fits(n, params.max_tokens, self.limits)
         if self._kv_tokens_needed(n + params.max_tokens) > self.capacity_tokens:
             raise RequestRejected(
                 f"prompt has {n} tokens and max_tokens is {params.max_tokens}, but the KV "
                 f"cache holds only {self.capacity_tokens} tokens in all; raise num_kv_blocks "
                 "(or the KV memory budget) or shorten the request")
-        return list(ids)
+        return ids

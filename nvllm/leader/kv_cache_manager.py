@@ -2,7 +2,10 @@
 
 The scheduler asks three things of it: what prefix of a sequence is already cached
 (``get_computed_blocks``), room for the next tokens (``allocate_slots``), and to give a
-sequence's blocks back (``free``). The scheduler calls ``cache_computed_blocks`` as it
+sequence's blocks back (``free``). It writes only each sequence's ``SeqBlocks`` (block
+table, prefix-cache chain) and reads the sequence's progress; the scheduler, the one
+writer of a ``Sequence``, applies what a prefix hit covers (``hit_tokens``) and zeroes
+the computed count of a sequence it frees. The scheduler calls ``cache_computed_blocks`` as it
 accounts for each plan (and again as sampled tokens arrive): a block enters the prefix
 cache once the plan that computes it is on its way, which is safe because workers
 execute plans in order, so any later plan that reads the block runs after it was
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from nvllm.common.utils import cdiv
 from nvllm.leader import block_pool  # one import: tests swap block_pool.hash_block_tokens
+from nvllm.leader.seq_blocks import SeqBlocks
 from nvllm.leader.sequence import Sequence
 
 FREED = -1  # a block_table slot whose block went back to the pool (behind the window)
@@ -64,12 +68,18 @@ class KVCacheManager:
 
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         bs = self.block_size
-        while len(seq.block_hashes) <= i:
-            j = len(seq.block_hashes)
-            parent = seq.block_hashes[j - 1] if j else None
-            seq.block_hashes.append(
+        hashes = seq.blocks.hashes
+        while len(hashes) <= i:
+            j = len(hashes)
+            parent = hashes[j - 1] if j else None
+            hashes.append(
                 block_pool.hash_block_tokens(parent, seq.token_ids[j * bs:(j + 1) * bs]))
-        return seq.block_hashes[i]
+        return hashes[i]
+
+    def hit_tokens(self, computed_blocks: list[block_pool.KVBlock]) -> int:
+        """How many tokens a prefix hit (``get_computed_blocks``) covers: the computed
+        count of a sequence admitted with it."""
+        return len(computed_blocks) * self.block_size
 
     def get_computed_blocks(self, seq: Sequence) -> list[block_pool.KVBlock]:
         """Longest cached prefix of a sequence that holds no blocks, in full blocks.
@@ -95,53 +105,60 @@ class KVCacheManager:
                        computed_blocks: list[block_pool.KVBlock] | None = None) -> bool:
         """Make room for num_new_tokens more tokens after the computed ones.
 
-        With computed_blocks (a new or resumed sequence), those cache hits become the
-        start of its block table. Returns False, changing nothing but giving back the
-        blocks the window has left behind, if blocks run short.
+        With computed_blocks (a new or resumed sequence, which holds no blocks), those
+        cache hits become the start of its block table; the scheduler then sets its
+        computed count to ``hit_tokens(computed_blocks)``. Returns False, changing nothing
+        but giving back the blocks the window has left behind, if blocks run short.
         """
+        blocks = seq.blocks
+        if not computed_blocks and self.window is None and (
+                cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+                <= len(blocks.table)):
+            return True  # the common decode: its last block has room
         computed_blocks = computed_blocks or []
         if computed_blocks:
-            assert not seq.block_table and seq.num_computed_tokens == 0
+            assert not blocks.table and seq.num_computed_tokens == 0
+            num_computed = self.hit_tokens(computed_blocks)
         else:
-            self._free_behind_window(seq)
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+            num_computed = seq.num_computed_tokens
+            self._free_behind_window(blocks, num_computed)
         num_needed = (cdiv(num_computed + num_new_tokens, self.block_size)
-                      - len(seq.block_table) - len(computed_blocks))
+                      - len(blocks.table) - len(computed_blocks))
         num_hits_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_needed, 0) + num_hits_free > self.pool.num_free_blocks:
             return False
         if computed_blocks:
             self.pool.touch(computed_blocks)
-            seq.block_table.extend(b.block_id for b in computed_blocks)
-            seq.chain_entries[:] = [b.entry_id for b in computed_blocks]
-            seq.num_cached_blocks = len(computed_blocks)
-            seq.num_computed_tokens = num_computed
-            self._free_behind_window(seq)
+            blocks.table.extend(b.block_id for b in computed_blocks)
+            blocks.chain[:] = [b.entry_id for b in computed_blocks]
+            blocks.num_cached = len(computed_blocks)
+            self._free_behind_window(blocks, num_computed)
         if num_needed > 0:
-            seq.block_table.extend(b.block_id for b in self.pool.get_new_blocks(num_needed))
+            blocks.table.extend(b.block_id for b in self.pool.get_new_blocks(num_needed))
         return True
 
-    def _free_behind_window(self, seq: Sequence) -> None:
+    def _free_behind_window(self, blocks: SeqBlocks, num_computed: int) -> None:
         """Give back the blocks wholly before the first key the sequence's next query (at
-        position num_computed_tokens) sees, oldest first (so they are evicted first)."""
+        position num_computed) sees, oldest first (so they are evicted first)."""
         if self.window is None:
             return
-        end = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
-        if end <= seq.num_freed_blocks:
+        end = max(0, num_computed - self.window + 1) // self.block_size
+        if end <= blocks.num_freed:
             return
-        table = seq.block_table
-        behind = [self.pool.blocks[b] for b in table[seq.num_freed_blocks:end]]
-        table[seq.num_freed_blocks:end] = [FREED] * len(behind)
-        seq.num_freed_blocks = end
+        table = blocks.table
+        behind = [self.pool.blocks[b] for b in table[blocks.num_freed:end]]
+        table[blocks.num_freed:end] = [FREED] * len(behind)
+        blocks.num_freed = end
         self.pool.free_blocks(behind)
 
     def blocks_held(self, seq: Sequence) -> int:
         """The blocks the sequence holds (its table less the slots given back)."""
-        return len(seq.block_table) - seq.num_freed_blocks
+        return len(seq.blocks.table) - seq.blocks.num_freed
 
     def record_lookup(self, seq: Sequence) -> None:
         """Count a prompt's lookup (tokens queried, tokens hit) at its first admission;
-        re-admissions after preemption would count generated tokens as prompt."""
+        re-admissions after preemption would count generated tokens as prompt. Call it
+        once the sequence's computed count holds its prefix hit."""
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.stats.queries += seq.num_tokens
             self.stats.hits += seq.num_computed_tokens
@@ -151,36 +168,38 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        blocks = seq.blocks
         # Only blocks whose token ids are all known: a token still in flight (async
         # scheduling) may already be computed by a plan but cannot be hashed yet.
         num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs,
-                       len(seq.block_table))
-        # chain_entries can stop short of num_cached_blocks' goal after a collision:
-        # past a block whose hash belongs to different content, nothing is cached.
-        while seq.num_cached_blocks < num_full and len(seq.chain_entries) == seq.num_cached_blocks:
-            i = seq.num_cached_blocks
-            if seq.block_table[i] == FREED:
+                       len(blocks.table))
+        # The chain can stop short of num_cached's goal after a collision: past a block
+        # whose hash belongs to different content, nothing is cached.
+        while blocks.num_cached < num_full and len(blocks.chain) == blocks.num_cached:
+            i = blocks.num_cached
+            if blocks.table[i] == FREED:
                 break  # given back before its tokens were known: the chain ends here
             h = self._block_hash(seq, i)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            parent = seq.chain_entries[i - 1] if i else 0
+            parent = blocks.chain[i - 1] if i else 0
             existing = self.pool.lookup(h, tokens, parent)
             if existing is not None:
                 # Same content computed twice (e.g. two prompts admitted together):
                 # keep the cached copy, ours stays an ordinary block.
-                seq.chain_entries.append(existing.entry_id)
+                blocks.chain.append(existing.entry_id)
             elif self.pool.hash_taken(h):
                 break  # a true collision with other content: stop caching this sequence
             else:
-                seq.chain_entries.append(self.pool.register(seq.block_table[i], h, tokens, parent))
-            seq.num_cached_blocks += 1
+                blocks.chain.append(self.pool.register(blocks.table[i], h, tokens, parent))
+            blocks.num_cached += 1
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks tail-first, so its prefix outlives its suffix."""
-        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(seq.block_table)
+        """Release a sequence's blocks tail-first, so its prefix outlives its suffix. Its
+        computed count is the scheduler's to zero (nothing of it is cached any more)."""
+        blocks = seq.blocks
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(blocks.table)
                               if b != FREED)
-        seq.block_table.clear()
-        seq.num_freed_blocks = 0
-        seq.chain_entries.clear()
-        seq.num_cached_blocks = 0
-        seq.num_computed_tokens = 0
+        blocks.table.clear()
+        blocks.num_freed = 0
+        blocks.chain.clear()
+        blocks.num_cached = 0

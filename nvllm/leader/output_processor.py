@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvllm.common.outputs import CompletionDelta, CompletionOutput, RequestOutput
-from nvllm.leader.detokenizer import IncrementalDetokenizer
+from nvllm.leader.detokenizer import IncrementalDetokenizer, fast_decoder
 from nvllm.leader.metrics import EngineMetrics
 from nvllm.leader.request import Request
 from nvllm.leader.scheduler import SeqUpdate
@@ -57,6 +57,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, metrics: EngineMetrics) -> None:
         self.tokenizer = tokenizer
+        self.decode = None if tokenizer is None else fast_decoder(tokenizer)
         self.metrics = metrics
         self.requests: dict[str, Request] = {}
 
@@ -66,7 +67,7 @@ class OutputProcessor:
             req.detoks.append(None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=p.stop,
                 include_stop_str_in_output=p.include_stop_str_in_output,
-                skip_special_tokens=p.skip_special_tokens))
+                skip_special_tokens=p.skip_special_tokens, decode=self.decode))
             req.logprobs.append(None)
             req.finish_reasons.append(None)
             req.last_token_time.append(0.0)

@@ -1,9 +1,10 @@
 """Scheduler output -> the step plan every worker executes.
 
 Workers keep each sequence's state, so a plan carries only differences: a sequence the
-workers do not hold yet (new, or resumed after preemption) travels whole as a ``NewSeq``;
-a running one as a ``RunningSeq`` delta (tokens to compute, blocks added since the last
-plan; no token ids, the workers append the tokens they sample themselves). A table slot
+workers do not hold yet (new, or resumed after preemption) travels whole, in the
+``NewSeqs`` columns; a running one as a delta in ``RunningSeqs`` (tokens to compute,
+blocks added since the last plan; no token ids, the workers append the tokens they
+sample themselves). A table slot
 given back behind a sliding window (kv_cache_manager.FREED) travels as block 0: the
 workers index tables by position and never read a block outside the window.
 """
@@ -12,9 +13,13 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 from nvllm.common import worker_protocol
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.worker_protocol import ID_DTYPE, INT_DTYPE, column, csr
 from nvllm.leader.scheduler import SchedulerOutput
+from nvllm.leader.sequence import Sequence
 
 
 def to_worker_sampling(p: SamplingParams, grammar_key: str | None = None,
@@ -41,21 +46,37 @@ class PlanBuilder:
 
     def build(self, sched: SchedulerOutput, finished_seq_ids: list[int]
               ) -> worker_protocol.StepPlan:
-        """The plan for `sched` (whose computed counts the scheduler already advanced);
-        marks its sequences as held by the workers."""
-        new_seqs, running = [], []
-        for seq, n in sched.scheduled:
-            start = seq.num_computed_tokens - n
-            if not seq.on_worker:
-                new_seqs.append(worker_protocol.NewSeq(
-                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, start, n,
-                    [max(b, 0) for b in seq.block_table], to_worker_sampling(
-                        seq.params, seq.grammar.key if seq.grammar is not None else None,
-                        seq.wants_prompt_logprobs)))
-                seq.on_worker = True
-            else:
-                running.append(worker_protocol.RunningSeq(
-                    seq.seq_id, n, seq.block_table[seq.num_sent_blocks:]))
-            seq.num_sent_blocks = len(seq.block_table)
-        return worker_protocol.StepPlan(next(self._step_ids), new_seqs, running,
-                                        finished_seq_ids)
+        """The plan for `sched` (whose computed counts the scheduler already advanced).
+        Pure: the caller marks the sequences as sent (Scheduler.mark_sent) once it is
+        built. Writes the columns directly: one pass per column, token and block ids
+        through np.fromiter."""
+        new = [(seq, n) for seq, n in sched.scheduled if not seq.on_worker]
+        run = [(seq, n) for seq, n in sched.scheduled if seq.on_worker]
+        return worker_protocol.StepPlan(
+            next(self._step_ids), _new_columns(new), _running_columns(run),
+            list(finished_seq_ids))
+
+
+def _new_columns(new: list[tuple[Sequence, int]]) -> worker_protocol.NewSeqs:
+    if not new:
+        return worker_protocol.NewSeqs()
+    n = np.fromiter((k for _, k in new), np.int64, len(new))
+    computed = np.fromiter((s.num_computed_tokens for s, _ in new), np.int64, len(new))
+    tok, tok_off = csr([s.token_ids for s, _ in new])
+    blk, blk_off = csr([s.block_table for s, _ in new])
+    return worker_protocol.NewSeqs(
+        column([s.seq_id for s, _ in new], ID_DTYPE),
+        column([s.num_prompt_tokens for s, _ in new], INT_DTYPE),
+        column(computed - n, INT_DTYPE), column(n, INT_DTYPE), tok, tok_off,
+        np.maximum(np.frombuffer(blk, INT_DTYPE), 0).tobytes(), blk_off,  # FREED: block 0
+        [to_worker_sampling(s.params, s.grammar.key if s.grammar is not None else None,
+                            s.wants_prompt_logprobs) for s, _ in new])
+
+
+def _running_columns(run: list[tuple[Sequence, int]]) -> worker_protocol.RunningSeqs:
+    if not run:
+        return worker_protocol.RunningSeqs()
+    blk, blk_off = csr([s.block_table[s.num_sent_blocks:] for s, _ in run])
+    return worker_protocol.RunningSeqs(
+        column([s.seq_id for s, _ in run], ID_DTYPE),
+        column([k for _, k in run], INT_DTYPE), blk, blk_off)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
+from nvllm.common.step_rule import samples_after_step
 from nvllm.common.utils import cdiv
 from nvllm.common.worker_protocol import StepResult
 from nvllm.leader.kv_cache_manager import KVCacheManager
@@ -75,7 +77,11 @@ class Scheduler:
         # completed a step since (see admission): at most one at a time.
         self._quarantined: set[int] = set()
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, grammar: Any = None) -> None:
+        """Queue a new sequence; `grammar`: its request's CompiledGrammar (structured
+        output), which its plans name to rank 0."""
+        if grammar is not None:
+            seq.grammar = grammar
         seq.status = SequenceStatus.WAITING
         seq.order = next(self._arrivals)
         self.waiting.add(seq)
@@ -156,6 +162,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, n, hits):
                 break
+            seq.num_computed_tokens = self.kv.hit_tokens(hits)
             if not seq.wants_prompt_logprobs:
                 self.kv.record_lookup(seq)
             if seq.num_preemptions == 0:
@@ -175,7 +182,7 @@ class Scheduler:
         count as computed and its full blocks may serve later prefix hits."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+            if samples_after_step(seq.num_computed_tokens, seq.num_tokens + seq.num_pending):
                 seq.num_pending += 1
                 out.sampling_seq_ids.add(seq.seq_id)
             self.kv.cache_computed_blocks(seq)
@@ -210,8 +217,11 @@ class Scheduler:
         p = seq.params
         # A constrained sequence samples a stop token before min_tokens only when its
         # grammar allows nothing else (nvllm/worker/sampler.py): it ends there.
+        stop_ids = seq.stop_ids
+        if stop_ids is None:
+            stop_ids = seq.stop_ids = frozenset(p.all_stop_token_ids())
         if ((seq.num_output_tokens >= p.min_tokens or p.structured_outputs is not None)
-                and token in p.all_stop_token_ids()):
+                and token in stop_ids):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -232,12 +242,26 @@ class Scheduler:
         self.finished_seq_ids.append(seq.seq_id)
         self._quarantined.discard(seq.seq_id)
         self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.on_worker = False
         seq.num_sent_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(seq)
+
+    def count_worker_death(self, limit: int) -> set[str]:
+        """A worker group died: every live sequence it held (or owed a token) counts one
+        more death in flight. Returns the ids of the requests one of whose sequences has
+        now been on the workers through `limit` deaths in a row. Call before
+        ``requeue_all``, which forgets what the workers held."""
+        suspects = set()
+        for seq in itertools.chain(self.running, self.waiting):
+            if seq.on_worker or seq.num_pending:
+                seq.deaths_in_flight += 1
+                if seq.deaths_in_flight >= limit:
+                    suspects.add(seq.request_id)
+        return suspects
 
     def requeue_all(self) -> None:
         """The workers (and the KV cache) were replaced: every running sequence goes back
@@ -259,8 +283,17 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def mark_sent(self, out: SchedulerOutput) -> None:
+        """The plan for `out` is built: its sequences are held by the workers, with every
+        block of their tables (the next plan sends only blocks added after these). Kept
+        apart from the plan builder so building a plan changes no state."""
+        for seq, _ in out.scheduled:
+            seq.on_worker = True
+            seq.num_sent_blocks = len(seq.block_table)
 
 
 def new_seq_plan_bytes(seq: Sequence, block_size: int) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.leader.seq_blocks import SeqBlocks
 
 
 class SequenceStatus(enum.Enum):
@@ -17,6 +18,11 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
+    """The scheduler's record of one completion: only the scheduler assigns its fields
+    (tests/leader/test_state_owners.py checks), so every change to a sequence's progress
+    is in one file. Its KV blocks (``blocks``) are the KVCacheManager's, which the
+    scheduler asks for and gets counts back from; the engine asks the scheduler."""
+
     seq_id: int
     request_id: str
     token_ids: list[int]  # prompt + generated, append-only
@@ -28,15 +34,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in the cache. The last sampled token is never computed yet.
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    # Prefix-cache bookkeeping (see KVCacheManager): chained hashes of full blocks,
-    # memoized because tokens are append-only; the cache entry each full block of the
-    # table is known as; how many leading blocks of the table are in the cache.
-    block_hashes: list[bytes] = field(default_factory=list)
-    chain_entries: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0
-    # Leading block_table slots given back to the pool, behind a sliding window (FREED).
-    num_freed_blocks: int = 0
+    # Its block table and prefix-cache chain: written by the KVCacheManager only.
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)
     # What the workers hold for this sequence (plans carry only the difference). Workers
     # append the tokens they sample themselves, so only block ids travel as deltas.
     on_worker: bool = False
@@ -50,6 +49,8 @@ class Sequence:
     # Prompt tokens served from the prefix cache at the first admission (usage).
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # params.all_stop_token_ids(), taken once by the scheduler's stop check (per token).
+    stop_ids: frozenset[int] | None = None
     # Structured output: the leader's CompiledGrammar (nvllm/leader/grammar.py), whose key
     # the workers' copy of the sampling parameters names.
     grammar: Any = None
@@ -59,6 +60,11 @@ class Sequence:
     # position (the OutputProcessor takes each once). Its first sampled token clears it:
     # that result also carried the last prompt chunk's scores.
     wants_prompt_logprobs: bool = False
+
+    @property
+    def block_table(self) -> list[int]:
+        """Block ids by position (read-only for all but the KVCacheManager)."""
+        return self.blocks.table
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,8 @@ import zmq
 
 from nvllm.common import client_protocol as cp
 from nvllm.common import trace
+from nvllm.common.client_decode import decode_client_frame
+from nvllm.common.client_limits import client_limits
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
 from nvllm.leader.engine import LLMEngine
@@ -66,7 +68,7 @@ class EngineServer:
             raise ValueError(f"max_frame_bytes must be an integer >= {MIN_FRAME_BYTES}, got "
                              f"{max_frame_bytes!r}")
         self.engine = engine
-        self.limits = cp.ClientLimits.from_config(engine.config)
+        self.limits = client_limits(engine.config)
         self.model_name = model_name or engine.config.model
         self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
@@ -196,7 +198,7 @@ class EngineServer:
             return
         self._last_seen[client] = time.monotonic()
         try:
-            msg = cp.decode_client_frame(payload, self.limits)
+            msg = decode_client_frame(payload, self.limits)
         except cp.ClientProtocolError as e:
             return self._error(client, e.request_id, e.code, e.message)
         if isinstance(msg, cp.Ping):

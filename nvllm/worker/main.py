@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from nvllm.common import plan_arrays, trace, worker_protocol
+from nvllm.common import trace, worker_protocol
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
@@ -268,11 +268,7 @@ def run_worker(spec: dict) -> None:
             elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:
-                    try:
-                        plan_arrays.unpack(msg, arrays)  # copies: no view outlives this
-                    except ValueError as e:
-                        raise InvalidPlan(str(e)) from None
-                    result = runner.execute(msg)
+                    result = runner.execute(msg, arrays)  # copies out of the ring first
                 except InvalidPlan as e:  # nothing was touched: say so and carry on
                     logger.error("rank %d: rejecting step %d: %s", rank, step_id, e)
                     result_sock.send(worker_protocol.encode(worker_protocol.WorkerError(

@@ -1,21 +1,23 @@
-"""Per-rank execution of step plans: worker-side sequence state, input preparation,
-the forward pass, and (rank 0) sampling."""
+"""Per-rank execution of step plans: the batch state (input_batch.InputBatch) turns a
+plan into the step's arrays, then the forward pass and (rank 0) sampling."""
 
 from __future__ import annotations
 
-import itertools
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig
+from nvllm.common.transport import ArrayReader
 from nvllm.common.utils import cdiv
 from nvllm.kernels.cpu_attention import CpuKVStore
-from nvllm.kernels.metadata import AttentionMetadata, build_metadata
+from nvllm.kernels.metadata import AttentionMetadata, metadata_from_arrays
 from nvllm.kernels.ops import resolve_backend, uses_cpu_attention
 from nvllm.worker.cuda_graph import CUDAGraphRunner
+from nvllm.worker.input_batch import InputBatch, InvalidPlan, StepBatch
 from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models import MODEL_REGISTRY
@@ -29,28 +31,17 @@ MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amort
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def micro_batch_ranges(query_lens: list[int], min_tokens: int) -> list[tuple[int, int]]:
+def micro_batch_ranges(query_lens: Sequence[int] | np.ndarray, min_tokens: int
+                       ) -> list[tuple[int, int]]:
     """Sequence ranges [a, b) of a step's micro-batches: two with about equal token
     counts when the step has at least min_tokens tokens and two sequences, else one."""
-    n, total = len(query_lens), sum(query_lens)
+    q = np.asarray(query_lens, np.int64)
+    n, total = len(q), int(q.sum())
     if n < 2 or total < min_tokens:
         return [(0, n)]
-    prefix = list(itertools.accumulate(query_lens[:-1]))
-    k = min(range(1, n), key=lambda j: abs(2 * prefix[j - 1] - total))
+    prefix = np.cumsum(q[:-1])  # tokens before sequence j, for j = 1..n-1
+    k = 1 + int(np.argmin(np.abs(2 * prefix - total)))  # first minimum, as min() picks
     return [(0, k), (k, n)]
-
-
-class InvalidPlan(ValueError):
-    """A step plan that cannot be executed; the worker's state is left as it was."""
-
-
-@dataclass(slots=True)
-class WorkerSeq:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_table: list[int]
-    sampling: worker_protocol.WorkerSampling
 
 
 class ModelRunner:
@@ -79,7 +70,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
         # Rank 0 samples, so it alone holds the grammars and matchers.
         self.structured = StructuredOutputState() if tp.rank == 0 else None
-        self.seqs: dict[int, WorkerSeq] = {}
+        # Held sequences' tokens and block tables (sized with the KV cache).
+        self.batch: InputBatch | None = None
         # Sequences whose plan asks to score their prompt (WorkerSampling.prompt_logprobs):
         # held on every rank alike, so a step without any costs one check.
         self.scoring: set[int] = set()
@@ -128,6 +120,10 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
             layer.self_attn.attn.layer_idx = i
+        cfg = self.config
+        self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len,
+                                cdiv(cfg.max_model_len, self.block_size), self.block_size,
+                                cfg.model_info.vocab_size, num_blocks)
         if uses_cpu_attention(self.backend, self.device, self.config.cpu_kv_mirror):
             # A second copy of what running sequences hold, so it gets its own budget.
             self.cpu_kv = CpuKVStore(self.kv_cache, int(self.config.cpu_kv_cache_gib * (1 << 30)),
@@ -148,8 +144,10 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.load(msg)
 
-    def _drop(self, sid: int) -> None:
-        self.seqs.pop(sid, None)
+    def _forget(self, sid: int) -> None:
+        """Drop what this rank keeps beside the batch state for a sequence the plan ends
+        (its row is the batch state's: InputBatch.apply frees it, and a sequence resumed
+        in the same plan has a new row by then)."""
         self.scoring.discard(sid)
         if self.structured is not None:
             self.structured.drop(sid)
@@ -158,199 +156,131 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    def validate(self, plan: worker_protocol.StepPlan) -> None:
-        """Reject a plan this rank cannot execute before touching any state.
-
-        Plans come from the leader only, so a bad one is a bug (or a forged frame): the
-        worker answers with an error and stays as it was, instead of indexing out of its
-        KV cache or embedding table.
-        """
+    def _apply(self, plan: worker_protocol.StepPlan, reader: ArrayReader | None) -> StepBatch:
+        """Validate the plan whole (InvalidPlan: nothing changed), then apply it to the
+        batch state and to what rank 0 keeps beside it (matchers, prompt scoring)."""
         if self.kv_cache is None:
             raise InvalidPlan("a step plan arrived before the KV cache was allocated")
-        num_blocks, vocab, bs = self.kv_cache.shape[2], self.config.model_info.vocab_size, \
-            self.block_size
-        dropped = set(plan.finished_ids)
-        seen: set[int] = set()
-
-        def held(sid: int) -> WorkerSeq | None:
-            return None if sid in dropped else self.seqs.get(sid)
-
-        def check(sid, tokens, blocks, num_tokens, num_blocks_held, computed, n) -> None:
-            if sid in seen:
-                raise InvalidPlan(f"sequence {sid} appears twice in step {plan.step_id}")
-            seen.add(sid)
-            if any(not 0 <= t < vocab for t in tokens):
-                raise InvalidPlan(f"sequence {sid}: token id outside the vocabulary "
-                                  f"(0..{vocab - 1})")
-            if any(not 0 <= b < num_blocks for b in blocks):
-                raise InvalidPlan(f"sequence {sid}: block id outside the KV cache "
-                                  f"(0..{num_blocks - 1})")
-            end = computed + n
-            if n < 1 or computed < 0 or end > num_tokens or cdiv(end, bs) > num_blocks_held:
-                raise InvalidPlan(f"sequence {sid}: tokens {computed}..{end} of {num_tokens} "
-                                  f"with {num_blocks_held} block(s) of {bs}")
-
-        for ns in plan.new_seqs:
-            if held(ns.seq_id) is not None:
-                raise InvalidPlan(f"new sequence {ns.seq_id} is already held")
-            if not 0 < ns.num_prompt_tokens <= len(ns.token_ids):
-                raise InvalidPlan(f"sequence {ns.seq_id}: {ns.num_prompt_tokens} prompt tokens "
-                                  f"of {len(ns.token_ids)}")
-            check(ns.seq_id, ns.token_ids, ns.block_table, len(ns.token_ids),
-                  len(ns.block_table), ns.num_computed_tokens, ns.num_new_tokens)
-        for rs in plan.running:
-            seq = held(rs.seq_id)
-            if seq is None:
-                raise InvalidPlan(f"running sequence {rs.seq_id} is not held by this worker")
-            check(rs.seq_id, (), rs.new_block_ids, len(seq.token_ids),
-                  len(seq.block_table) + len(rs.new_block_ids), seq.num_computed_tokens,
-                  rs.num_new_tokens)
-
-    def _apply_plan(self, plan: worker_protocol.StepPlan) -> list[tuple[WorkerSeq, int]]:
+        batch = self.batch
+        step = batch.apply(plan, reader)  # frees the finished sequences' rows
         for sid in plan.finished_ids:
-            self._drop(sid)
-        batch = []
-        for ns in plan.new_seqs:
-            seq = WorkerSeq(ns.token_ids, ns.num_prompt_tokens, ns.num_computed_tokens,
-                            ns.block_table, ns.sampling)
-            self.seqs[ns.seq_id] = seq
-            if ns.sampling.prompt_logprobs is not None:
-                self.scoring.add(ns.seq_id)
-            if ns.sampling.grammar_key is not None and self.structured is not None:
-                self.structured.start(ns.seq_id, ns.sampling,
-                                      ns.token_ids[ns.num_prompt_tokens:])
-            batch.append((ns.seq_id, seq, ns.num_new_tokens))
-        for rs in plan.running:
-            seq = self.seqs[rs.seq_id]
-            seq.block_table.extend(rs.new_block_ids)
-            batch.append((rs.seq_id, seq, rs.num_new_tokens))
-        return batch
+            self._forget(sid)
+        for i, sampling in enumerate(plan.new_cols.sampling):
+            sid, row = int(step.seq_ids[i]), int(step.rows[i])
+            if sampling.prompt_logprobs is not None:
+                self.scoring.add(sid)
+            if sampling.grammar_key is not None and self.structured is not None:
+                self.structured.start(sid, sampling, batch.tokens(row)[
+                    batch.num_prompt_tokens[row]:].tolist())
+        return step
 
-    def _prepare(self, batch) -> tuple[list[tuple[torch.Tensor, torch.Tensor,
-                                                   AttentionMetadata]], list[int], bool]:
-        """Inputs of the step's micro-batches (input ids, positions, metadata), the rows
-        of the concatenated hidden states to sample from, and whether a decode graph
-        runs the step."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        for _, seq, n in batch:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            if end > len(seq.token_ids) or cdiv(end, bs) > len(seq.block_table):
-                raise RuntimeError(f"plan asks for tokens {start}..{end} of a sequence with "
-                                   f"{len(seq.token_ids)} tokens, {len(seq.block_table)} blocks")
-            input_ids.extend(seq.token_ids[start:end])
-            query_lens.append(n)
-            context_lens.append(end)
-            if end == len(seq.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-        micro, tok = [], 0
+    def _prepare(self, step: StepBatch) -> tuple[list[tuple[torch.Tensor, torch.Tensor,
+                                                             AttentionMetadata]], bool]:
+        """Inputs of the step's micro-batches (input ids, positions, metadata) and whether
+        a decode graph runs the step."""
         graphed = self.graphs is not None and self.graphs.can_run(
-            len(batch), len(input_ids), max(len(s.block_table) for _, s, _ in batch))
+            step.num_seqs, step.num_tokens, step.block_tables.shape[1])
         # A graph replays the whole batch; otherwise big tensor-parallel steps are cut.
         overlap = (self.config.micro_batch_overlap and self.tp.world_size > 1
                    and not graphed)
-        ranges = (micro_batch_ranges(query_lens, self.config.micro_batch_min_tokens)
-                  if overlap else [(0, len(batch))])
+        ranges = (micro_batch_ranges(step.query_lens, self.config.micro_batch_min_tokens)
+                  if overlap else [(0, step.num_seqs)])
+        cu = step.cu_seqlens_q
+        micro = []
         for a, b in ranges:
-            meta, positions = build_metadata(query_lens[a:b], context_lens[a:b],
-                                             [s.block_table for _, s, _ in batch[a:b]], bs,
-                                             self.device)
+            t0, t1 = int(cu[a]), int(cu[b])
+            meta = metadata_from_arrays(step.slot_mapping[t0:t1], cu[a:b + 1] - cu[a],
+                                        step.seq_lens[a:b], step.block_tables[a:b],
+                                        self.device)
             if self.cpu_kv is not None:
                 meta.cpu_kv = self.cpu_kv.views_for_step(
-                    [sid for sid, _, _ in batch[a:b]], [s.block_table for _, s, _ in batch[a:b]],
-                    query_lens[a:b], context_lens[a:b])
-            num = sum(query_lens[a:b])
-            ids = torch.tensor(input_ids[tok:tok + num], dtype=torch.long, device=self.device)
-            micro.append((ids, positions, meta))
-            tok += num
-        return micro, sample_rows, graphed
+                    step.seq_ids[a:b].tolist(), list(step.block_tables[a:b]),
+                    step.query_lens[a:b].tolist(), step.seq_lens[a:b].tolist())
+            micro.append((self._tensor(step.input_ids[t0:t1]),
+                          self._tensor(step.positions[t0:t1]), meta))
+        return micro, graphed
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: worker_protocol.StepPlan) -> worker_protocol.StepResult | None:
+    def execute(self, plan: worker_protocol.StepPlan, reader: ArrayReader | None = None
+                ) -> worker_protocol.StepResult | None:
+        """Run one plan; `reader`: the plan ring, when its columns may live there."""
         t0 = time.perf_counter()
-        self.validate(plan)
-        batch = self._apply_plan(plan)
-        if not batch:
+        step = self._apply(plan, reader)
+        if not step.num_seqs:
             return (worker_protocol.StepResult(plan.step_id, [], [], None, 0.0)
                     if self.tp.rank == 0 else None)
-        micro, sample_rows, graphed = self._prepare(batch)
+        micro, graphed = self._prepare(step)
         if graphed:
             hidden = self.graphs.run(*micro[0])
         else:
             hiddens = self.tp.run([self.model.stages(*mb) for mb in micro])
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
-        sampling = [(sid, seq) for sid, seq, n in batch
-                    if seq.num_computed_tokens + n == len(seq.token_ids)]
-        prompt_lps = self._prompt_logprobs(batch, hidden)
-        for _, seq, n in batch:
-            seq.num_computed_tokens += n
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        prompt_lps = self._prompt_logprobs(step, hidden)
+        sample_rows = step.rows[step.sample_idx]
+        sample_ids = step.seq_ids[step.sample_idx].tolist()
+        logits = (self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices)
+                                                   .to(hidden.device)])
+                  if sample_ids else None)
         tokens, logprobs = [], None
-        if sampling and self.tp.rank == 0:
-            so = self.structured
-            reqs = [SampleRequest(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
+        if sample_ids and self.tp.rank == 0:
+            so, batch = self.structured, self.batch
+            reqs = [SampleRequest(batch.sampling[row], batch.tokens(row),
+                                  int(batch.num_prompt_tokens[row]),
                                   so.matcher(sid) if so.matchers else None)
-                    for sid, seq in sampling]
+                    for sid, row in zip(sample_ids, sample_rows.tolist())]
             tokens, logprobs = self.sampler(logits, reqs)
             if so.matchers:
-                for (sid, _), token in zip(sampling, tokens):
+                for sid, token in zip(sample_ids, tokens):
                     so.accept(sid, token)
-        if sampling and self.tp.world_size > 1:
+        if sample_ids and self.tp.world_size > 1:
             # Every rank keeps the sampled tokens itself: the next plan (possibly already
             # sent, with async scheduling) computes them without a trip through the leader.
             t = (torch.tensor(tokens, dtype=torch.long, device=self.device) if self.tp.rank == 0
-                 else torch.empty(len(sampling), dtype=torch.long, device=self.device))
+                 else torch.empty(len(sample_ids), dtype=torch.long, device=self.device))
             tokens = self.tp.broadcast_from_first(t).tolist()
-        for (_, seq), token in zip(sampling, tokens):
-            seq.token_ids.append(token)
+        self.batch.append_sampled(sample_rows, np.asarray(tokens, np.int64))
         if self.tp.rank != 0:
             return None
-        return worker_protocol.StepResult(plan.step_id, [sid for sid, _ in sampling], tokens,
-                                   logprobs, time.perf_counter() - t0, prompt_lps)
+        return worker_protocol.StepResult(plan.step_id, sample_ids, tokens,
+                                          logprobs, time.perf_counter() - t0, prompt_lps)
 
-    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> list | None:
+    def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> list | None:
         """Score the prompt positions this step computes for sequences that asked
-        (``WorkerSampling.prompt_logprobs``), before their computed counts advance: the
-        hidden row of position i predicts prompt token i + 1. Every rank runs the same
-        lm_head calls (its gather is a collective; the plan, hence the rows, is the same on
-        all ranks); rank 0 returns StepResult.prompt_logprobs' entries, the others None."""
+        (``WorkerSampling.prompt_logprobs``): the hidden row of position i predicts prompt
+        token i + 1. Every rank runs the same lm_head calls (its gather is a collective;
+        the plan, hence the rows, is the same on all ranks); rank 0 returns
+        StepResult.prompt_logprobs' entries, the others None."""
         if not self.scoring:
             return None
-        rows: list[int] = []
-        targets: list[int] = []
-        ks: list[int] = []
+        batch = self.batch
+        rows: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        ks: list[np.ndarray] = []
         spans: list[tuple[int, int, int]] = []  # (seq id, first prompt token scored, count)
-        offset = 0
-        for sid, seq, n in batch:
-            k = seq.sampling.prompt_logprobs
-            start = seq.num_computed_tokens
-            end = min(start + n, seq.num_prompt_tokens - 1)  # the last row predicts no prompt
-            if k is not None and end >= seq.num_prompt_tokens - 1:
+        for i in range(step.num_seqs):
+            sid, row = int(step.seq_ids[i]), int(step.rows[i])
+            if sid not in self.scoring:
+                continue
+            k = batch.sampling[row].prompt_logprobs
+            start, n = int(step.start[i]), int(step.query_lens[i])
+            num_prompt = int(batch.num_prompt_tokens[row])
+            end = min(start + n, num_prompt - 1)  # the last row predicts no prompt token
+            if end >= num_prompt - 1:
                 self.scoring.discard(sid)  # this step scores its last prompt position
-            if k is not None and end > start:
-                rows.extend(range(offset, offset + end - start))
-                targets.extend(seq.token_ids[start + 1:end + 1])
-                ks.extend([k] * (end - start))
+            if end > start:
+                first_row = int(step.cu_seqlens_q[i])
+                rows.append(np.arange(first_row, first_row + end - start))
+                targets.append(batch.token_ids[row, start + 1:end + 1])
+                ks.append(np.full(end - start, k))
                 spans.append((sid, start + 1, end - start))
-            offset += n
         if not rows:
             return None
-        entries: list[list] = []
-        for a in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
-            logits = self.model.compute_logits(hidden[rows[a:a + PROMPT_LOGPROBS_ROWS]])
-            if logits is None:  # not rank 0: the gather is all this rank takes part in
-                continue
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            tgt = torch.tensor(targets[a:a + len(lp)], dtype=torch.long, device=lp.device)
-            chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
-            kmax = max(ks[a:a + len(lp)])
-            top_v, top_i = (torch.topk(lp, kmax) if kmax else (lp[:, :0], lp[:, :0].long()))
-            for j, (v, ids) in enumerate(zip(top_v.tolist(), top_i.tolist())):
-                k = ks[a + j]
-                entries.append([chosen[j], [[t, x] for t, x in zip(ids[:k], v[:k])]])
+        entries = self._score_rows(hidden, np.concatenate(rows), np.concatenate(targets),
+                                   np.concatenate(ks))
         if self.tp.rank != 0:
             return None
         out, pos = [], 0
@@ -358,3 +288,24 @@ class ModelRunner:
             out.append([sid, first, entries[pos:pos + count]])
             pos += count
         return out
+
+    def _score_rows(self, hidden: torch.Tensor, rows: np.ndarray, targets: np.ndarray,
+                    ks: np.ndarray) -> list[list]:
+        """[logprob of the target, [[id, logprob], ...top k]] per row (rank 0; others
+        take part in the lm_head's gather and get [])."""
+        entries: list[list] = []
+        for a in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            sl = slice(a, a + PROMPT_LOGPROBS_ROWS)
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(rows[sl]).to(hidden.device)])
+            if logits is None:  # not rank 0: the gather is all this rank takes part in
+                continue
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            tgt = torch.from_numpy(targets[sl].astype(np.int64)).to(lp.device)
+            chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+            kmax = int(ks[sl].max())
+            top_v, top_i = (torch.topk(lp, kmax) if kmax else (lp[:, :0], lp[:, :0].long()))
+            for j, (v, ids) in enumerate(zip(top_v.tolist(), top_i.tolist())):
+                k = int(ks[a + j])
+                entries.append([chosen[j], [[t, x] for t, x in zip(ids[:k], v[:k])]])
+        return entries

@@ -16,6 +16,7 @@ push the rest of the batch onto the per-row path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from nvllm.worker.structured_output import apply_masks
 @dataclass(slots=True)
 class SampleRequest:
     params: WorkerSampling
-    token_ids: list[int]  # prompt + generated so far
+    token_ids: Sequence[int]  # prompt + generated so far (a list, or the batch row's view)
     num_prompt_tokens: int
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained sequence
 
@@ -46,18 +47,20 @@ def _apply_bias(row: torch.Tensor, p: WorkerSampling) -> torch.Tensor:
 def _apply_penalties(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     p = req.params
     vocab = row.shape[0]
+    if p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+        return row
+    ids = torch.as_tensor(req.token_ids, dtype=torch.long, device=row.device)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long,
-                            device=row.device)
+        seen = ids[ids < vocab].unique()
         if seen.numel():
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                     vals * p.repetition_penalty)
     if p.presence_penalty or p.frequency_penalty:
-        out = [t for t in req.token_ids[req.num_prompt_tokens:] if t < vocab]
-        if out:
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long, device=row.device),
-                                    minlength=vocab).float()
+        out = ids[req.num_prompt_tokens:]
+        out = out[out < vocab]
+        if out.numel():
+            counts = torch.bincount(out, minlength=vocab).float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return row
 

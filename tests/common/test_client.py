@@ -116,10 +116,10 @@ def test_a_lost_leader_fails_live_streams(leader, monkeypatch):
     {"logit_bias": {"5": 2, "70000": -100}},  # a JSON-style map as given: the leader converts
 ], ids=["SamplingParams", "dict"])
 def test_submits_carry_logit_bias_as_the_leader_decodes_it(params):
-    from nvllm.common import client_protocol as cp
+    from nvllm.common.client_decode import decode_client_frame
 
     frame = client_module._submit_msg("r", [1, 2], params, 0, None)
-    assert cp.decode_client_frame(frame).params.logit_bias == {5: 2.0, 70000: -100.0}
+    assert decode_client_frame(frame).params.logit_bias == {5: 2.0, 70000: -100.0}
 
 
 def test_async_client_work_per_message_does_not_grow_with_live_streams(leader):

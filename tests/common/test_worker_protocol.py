@@ -1,11 +1,12 @@
-"""The leader <-> worker wire protocol: round trips, strict decoding, frame size."""
+"""The leader <-> worker wire protocol: round trips, strict decoding (ProtocolError naming
+the field path, never a half-built message, nothing unpickled), frame size."""
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 
 import msgpack
+import msgspec
 import pytest
 
 from nvllm.common.errors import ProtocolError
@@ -33,7 +34,7 @@ def _plan() -> StepPlan:
                         presence_penalty=-0.5, frequency_penalty=1.5, logprobs=5,
                         grammar_key="json-0123abcd",
                         logit_bias_ids=[3, 150000], logit_bias_values=[-100.0, 0.5])
-    return StepPlan(
+    return StepPlan.of(
         step_id=17,
         new_seqs=[
             NewSeq(seq_id=1, token_ids=[1, 2, 3, 4, 5], num_prompt_tokens=5,
@@ -51,7 +52,8 @@ def _plan() -> StepPlan:
 
 ROUND_TRIP = [
     _plan(),
-    StepPlan(step_id=0, new_seqs=[], running=[], finished_ids=[]),
+    StepPlan(step_id=0),
+    StepPlan.of(0, [], [], []),
     InitKVCache(num_blocks=1234),
     LoadGrammars(tokenizer_info='{"vocab": []}', keys=["regex-1", "json-2"],
                  data=['{"g": 1}', '{"g": 2}'], drop=["choice-3"]),
@@ -85,7 +87,7 @@ def test_round_trip(msg):
 
 def test_float_lists_take_ints_and_decode_as_floats():
     # msgpack packs 2.0 as a float, but a foreign encoder may send 2: both mean a bias.
-    values = decode(_mutated((2, 1, 6, 13), [2, -0.5])).new_seqs[1].sampling.logit_bias_values
+    values = decode(_mutated((2, 8, 1, 13), [2, -0.5])).new_seqs[1].sampling.logit_bias_values
     assert values == [2.0, -0.5] and all(type(v) is float for v in values)
 
 
@@ -150,14 +152,11 @@ def test_rejects_unknown_kind(kind):
     [InitKVCache.KIND],
     [InitKVCache.KIND, 1, 2],
     [WorkerError.KIND, 0, 0, "m"],
-    [StepPlan.KIND, 1, [], []],
-    [StepPlan.KIND, 1, [], [[1, 1]], []],  # RunningSeq with 2 of 3 fields
-    [StepPlan.KIND, 1, [], [[1, 1, [2], [3]]], []],  # RunningSeq with 4 of 3 fields
-    [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0], [0.0] * 10]], [], []],  # WorkerSampling 10/14
-    # WorkerSampling as before logit_bias: 12 of 14 fields
-    [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0], [0.0, 1.0, 0, 0.0, None, 0, [], 1.0, 0.0,
-                                                0.0, None, None]]], [], []],
-    [StepPlan.KIND, 1, [[1, [1], 1, 0, 1, [0]]], [], []],  # NewSeq without its sampling
+    [StepPlan.KIND],  # no step id
+    [StepPlan.KIND, 1, [], [b"", b"", b"", b"\0\0\0\0", b""], []],  # RunningSeqs: 5 of 4
+    [StepPlan.KIND, 1, [b""] * 10, [], []],  # NewSeqs: 10 of 9
+    [StepPlan.KIND, 1, [], [], [], 7],  # a field StepPlan does not have
+    [StepPlan.KIND, 1, [b"", b"", b"", b"", b"", b"", b"", b"", [[0.0] * 16]], [], []],
 ])
 def test_rejects_wrong_field_count(frame):
     _rejects(msgpack.packb(frame, use_bin_type=True))
@@ -181,37 +180,45 @@ def _mutated(path: tuple, value) -> bytes:
     ((1,), True),  # step_id: bool where int
     ((1,), 17.0),  # step_id: float where int
     ((1,), None),
+    ((1,), -1),  # step_id >= 0
     ((4,), [5.0, 6.0]),  # finished_ids: float list where ints
     ((4,), [5, True]),  # bool inside an int list
     ((4,), [5, "6"]),
+    ((4,), [5, -6]),
     ((4,), 5),  # an int where a list is expected
-    ((2,), {"a": 1}),  # new_seqs not a list
-    ((2, 0, 0), "1"),  # NewSeq.seq_id
-    ((2, 0, 1), [1, 2, 3.5]),  # NewSeq.token_ids
-    ((2, 0, 6), None),  # NewSeq.sampling missing
-    ((2, 0, 6, 0), "0.0"),  # WorkerSampling.temperature: str where float
-    ((2, 0, 6, 0), False),  # bool where float
-    ((2, 0, 6, 2), 0.0),  # WorkerSampling.top_k: float where int
-    ((2, 0, 6, 4), 1.5),  # WorkerSampling.seed: ?int
-    ((2, 0, 6, 6), [1.0]),  # WorkerSampling.stop_token_ids
-    ((2, 0, 6, 12), [3.0, 4.0]),  # WorkerSampling.logit_bias_ids: floats where ints
-    ((2, 0, 6, 13), [1.0, True]),  # WorkerSampling.logit_bias_values: a bool
-    ((2, 0, 6, 13), [1.0, "2"]),  # a str
-    ((2, 0, 6, 13), 1.0),  # not a list
-    ((3, 0, 1), True),  # RunningSeq.num_new_tokens: bool where int
-    ((3, 1, 2), "11"),  # RunningSeq.new_block_ids
-    ((3, 1, 2), [11.0]),  # RunningSeq.new_block_ids: a float among ints
+    ((2,), {"a": 1}),  # new_cols not an array
+    ((2, 0), "1"),  # a column: str where bytes (or a ring ref)
+    ((2, 0), 5),
+    ((2, 8), None),  # NewSeqs.sampling missing
+    ((2, 8, 0, 0), "0.0"),  # WorkerSampling.temperature: str where float
+    ((2, 8, 0, 0), False),  # bool where float
+    ((2, 8, 0, 2), 0.0),  # WorkerSampling.top_k: float where int
+    ((2, 8, 0, 2), -1),  # top_k >= 0
+    ((2, 8, 1, 4), 1.5),  # WorkerSampling.seed: ?int
+    ((2, 8, 1, 6), [1.0]),  # WorkerSampling.stop_token_ids
+    ((2, 8, 1, 12), [3.0, 4.0]),  # WorkerSampling.logit_bias_ids: floats where ints
+    ((2, 8, 1, 13), [1.0, True]),  # WorkerSampling.logit_bias_values: a bool
+    ((2, 8, 1, 13), [1.0, "2"]),  # a str
+    ((2, 8, 1, 13), 1.0),  # not a list
+    ((3, 1), True),  # RunningSeqs.num_new_tokens: bool where a column
+    ((3, 2), "11"),  # RunningSeqs.new_block_ids
 ])
 def test_rejects_wrong_field_types(path, value):
     _rejects(_mutated(path, value))
+
+
+def test_errors_name_the_field_path():
+    err = _rejects(_mutated((2, 8, 1, 2), -3))
+    assert "$[2][8][1][2]" in str(err), err
 
 
 @pytest.mark.parametrize("frame", [
     [InitKVCache.KIND, "5"],
     [InitKVCache.KIND, True],
     [InitKVCache.KIND, 5.0],
-    [WorkerReady.KIND, 0, 1, 5, {}],  # stage: int where str
-    [WorkerReady.KIND, 0, b"kv", 5, {}],  # bytes where str
+    [WorkerReady.KIND, 0, 1, 5],  # stage: int where str
+    [WorkerReady.KIND, 0, b"kv", 5],  # bytes where str
+    [WorkerReady.KIND, -1, "kv", 5],  # rank >= 0
     [StepResult.KIND, 1, [1], [2], None, "0.1"],
     [StepResult.KIND, 1, [1], [2.0], None, 0.1],
     [StepResult.KIND, 1, [1], [2], None, True],
@@ -252,7 +259,7 @@ def test_rejects_pickle_and_never_unpickles(protocol, monkeypatch):
 # --- frame size ------------------------------------------------------------------------
 
 def _decode_plan(n: int, with_block: bool) -> StepPlan:
-    return StepPlan(
+    return StepPlan.of(
         step_id=123_456,
         new_seqs=[],
         running=[RunningSeq(seq_id=1000 + i, num_new_tokens=1,
@@ -262,19 +269,22 @@ def _decode_plan(n: int, with_block: bool) -> StepPlan:
     )
 
 
-@pytest.mark.parametrize("with_block,limit", [(False, 7), (True, 10)])
+@pytest.mark.parametrize("with_block,limit", [(False, 16.5), (True, 20.5)])
 def test_decode_plan_size_per_sequence(with_block, limit):
     n = 256
     plan = _decode_plan(n, with_block)
     data = encode(plan)
     per_seq = len(data) / n
-    # Measured: 6 bytes/seq without a new block, 9 with one (uint16 ids); no token ids:
-    # the workers keep the tokens they sample.
+    # Raw columns: an int64 id, an int32 count and an int32 offset per sequence, plus an
+    # int32 block id when one is added; no token ids: the workers keep the tokens they
+    # sample. Fixed width, so decoding is one np.frombuffer per column.
     assert per_seq <= limit, per_seq
     assert decode(data) == plan
 
 
-def test_messages_are_slotted_dataclasses():
-    for cls in (*MESSAGES.values(), NewSeq, RunningSeq, WorkerSampling):
-        assert dataclasses.is_dataclass(cls)
-        assert hasattr(cls, "__slots__")
+def test_messages_are_tagged_array_structs():
+    for kind, cls in MESSAGES.items():
+        info = msgspec.inspect.type_info(cls)
+        assert issubclass(cls, msgspec.Struct) and info.array_like and info.tag == kind
+    for cls in (WorkerSampling,):
+        assert issubclass(cls, msgspec.Struct) and msgspec.inspect.type_info(cls).array_like

@@ -212,25 +212,30 @@ def _nested(depth: int) -> list:
 
 # The issue's numbered hostile frames: (1) ~1 KB, a map whose "v" is 1,023 nested lists;
 # (2) one submit with n=64 and 1,000,000 stop_token_ids (~9 MB, under the 64 MiB frame
-# limit); (3) a submit whose id is 1 MiB. Under the default limits all three are beyond
-# msgpack's container limits (ClientLimits.unpack_options), so they never get decoded.
+# limit); (3) a submit whose id is 1 MiB. The typed decoder refuses each from the first
+# bytes it reads of the bad field (the list's or string's header, the version's type),
+# naming the field and the limit (the nesting, past the decoder's depth, is bad_frame);
+# nothing is built from the rest.
 HUGE_ID = "I" * (1 << 20)
 
 
-@pytest.mark.parametrize("frame,size", [
-    (_pack({"op": "ping", "v": _nested(1023)}), 1000),
+@pytest.mark.parametrize("frame,size,rid,code,words", [
+    (_pack({"op": "ping", "v": _nested(1023)}), 1000, None, "bad_frame", "nests too deeply"),
     (_pack({"op": "submit", "v": 1, "id": "s", "prompt": "x",
-            "params": {"n": 64, "stop_token_ids": [2**63 - 1] * 1_000_000}}), 9_000_000),
-    (_pack({"op": "submit", "v": 1, "id": HUGE_ID, "prompt": "x"}), 1 << 20),
+            "params": {"n": 64, "stop_token_ids": [2**63 - 1] * 1_000_000}}), 9_000_000, "s",
+     "invalid_request", "params.stop_token_ids has more than 256 items (max_stop_token_ids is"),
+    (_pack({"op": "submit", "v": 1, "id": HUGE_ID, "prompt": "x"}), 1 << 20, None,
+     "invalid_request", "id has more than 256 bytes (max_request_id_bytes is 256)"),
 ], ids=["1-deep-nesting", "2-million-stop-ids", "3-mib-id"])
-def test_numbered_hostile_frames_get_bad_frame_and_the_engine_keeps_serving(served, frame,
-                                                                          size, procs):
+def test_numbered_hostile_frames_are_refused_and_the_engine_keeps_serving(
+        served, frame, size, rid, code, words, procs):
     assert size <= len(frame) < size * 1.1 and len(frame) < served.server.max_frame_bytes
     workers = served.llm.worker_pids
     with RawClient(served.endpoint, timeout_s=60) as c:
         c._sock.send(frame)
         err = c.recv_map(time.monotonic() + 30)
-        assert (err["op"], err["id"], err["code"]) == ("error", None, "bad_frame"), err
+        assert (err["op"], err["id"], err["code"]) == ("error", rid, code), err
+        assert words in err["message"]
         assert len(err["message"]) < 200 and "IIII" not in err["message"]
         assert c.health()["ready"]
         assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
@@ -239,16 +244,16 @@ def test_numbered_hostile_frames_get_bad_frame_and_the_engine_keeps_serving(serv
 
 
 def test_an_id_over_the_limit_is_named_and_never_echoed(served):
-    """(3), decodable: an id within msgpack's string limit but over max_request_id_bytes
+    """(3), multi-byte: an id of few characters but more bytes than max_request_id_bytes
     gets invalid_request naming the limit, and the message never shows the id."""
     limit = served.server.limits.max_request_id_bytes
-    rid = "J" * 60_000  # under max_str_len (2 * max_prompt_bytes + 1024), over the limit
+    rid = "é" * (limit // 2 + 1)  # within the limit in characters, over it in bytes
     with RawClient(served.endpoint, timeout_s=60) as c:
         c.send_map({"op": "submit", "v": 1, "id": rid, "prompt": "x", "params": GREEDY})
         err = c.recv_map(time.monotonic() + 30)
         assert (err["op"], err["code"]) == ("error", "invalid_request"), err
-        assert err["id"] is None and f"longer than {limit} bytes" in err["message"]
-        assert "JJJJ" not in err["message"] and len(err["message"]) < 200
+        assert err["id"] is None and f"more than max_request_id_bytes {limit}" in err["message"]
+        assert "éé" not in err["message"] and len(err["message"]) < 200
         assert c.generate("still serving", {**GREEDY, "max_tokens": 2}).finish_reason == "length"
     wait_idle(served.llm)
 

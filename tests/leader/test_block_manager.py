@@ -21,7 +21,7 @@ def compute(kv: KVCacheManager, seq: Sequence, n: int) -> None:
     """Allocate and 'compute' n more tokens of seq, outside any scheduler."""
     hits = kv.get_computed_blocks(seq) if not seq.block_table else None
     assert kv.allocate_slots(seq, n, hits)
-    seq.num_computed_tokens += n
+    seq.num_computed_tokens += kv.hit_tokens(hits or []) + n  # as the scheduler applies it
     kv.cache_computed_blocks(seq)
 
 
@@ -193,7 +193,7 @@ def test_free_cached_hits_count_against_the_free_blocks(make_sim):
     assert [blk.ref_cnt for blk in hits] == [0, 0] and sim.kv.num_free_blocks == 2
     sim.kv.free(other)
     assert sim.kv.allocate_slots(b, 1, hits)
-    assert b.num_computed_tokens == 8 and len(b.block_table) == 3
+    assert sim.kv.hit_tokens(hits) == 8 and len(b.block_table) == 3
     sim.kv.free(b)
 
 

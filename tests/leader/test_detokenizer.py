@@ -7,12 +7,13 @@ with a full ``tokenizer.decode`` of the same ids.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 from transformers import AutoTokenizer
 
-from nvllm.leader.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from nvllm.leader.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, fast_decoder
 
 FFFD = "\ufffd"
 EOS, IM_START, IM_END = 0, 1, 2
@@ -315,3 +316,63 @@ def test_stop_string_found_on_the_finishing_token(tok):
     delta, hit = d.add(ids[-1:], finished=True)
     assert hit
     assert out + delta + d.flush() == "Hello "
+
+
+# ---- the backend's decode ------------------------------------------------------------------
+
+
+def wrapper_decode(tok):
+    """The reference: the transformers tokenizer's own decode."""
+    return lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_the_fast_decoder_is_the_tokenizers_decode(tok):
+    fast = fast_decoder(tok)
+    calls = []
+    tok_decode = tok.decode
+    tok.decode = lambda *a, **k: calls.append(1) or tok_decode(*a, **k)
+    try:
+        fast([5, 6], True)
+    finally:
+        del tok.decode
+    assert calls == []  # the backend path is the one taken
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok) + 5) for _ in range(rng.randint(0, 9))]
+        for skip in (True, False):
+            assert fast(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode():
+    class Cleans:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = None
+
+        def decode(self, ids, skip_special_tokens):
+            return f"wrapped {ids} {skip_special_tokens}"
+
+    assert fast_decoder(Cleans())([1, 2], True) == "wrapped [1, 2] True"
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tok):
+    own = type("OwnDecode", (type(tok),), {"_decode": lambda self, *a, **k: "own"})
+    t = copy.copy(tok)
+    t.__class__ = own
+    assert fast_decoder(t)([5, 6], True) == "own"
+
+
+def test_fast_decoding_streams_what_the_wrapper_streams(tok):
+    """Completions with stop strings, multi-byte characters and both special-token
+    settings stream exactly the deltas they stream with the wrapper's decode."""
+    rng = random.Random(2)
+    pieces = ["the", " quick", " 日本", "語", " é", "ü", " 😀", "🎉", ".", "\n", " ok", "Ω",
+              " stop", "<|im_end|>"]
+    for _ in range(40):
+        out = enc(tok, "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14))))
+        prompt = enc(tok, "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8))))
+        kw = dict(stop=rng.choice([None, [" stop"], ["語 ", "\n"], ["😀🎉"]]),
+                  include_stop_str_in_output=rng.random() < 0.5,
+                  skip_special_tokens=rng.random() < 0.7)
+        fast = stream(tok, prompt, out, **kw)
+        slow = stream(tok, prompt, out, **kw, decode=wrapper_decode(tok))
+        assert fast[:2] == slow[:2] and fast[2].text == slow[2].text

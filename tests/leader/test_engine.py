@@ -6,8 +6,7 @@ synchronous and with async scheduling (the `scheduling` fixture in conftest.py).
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import xxhash
 from fake_workers import (
@@ -53,8 +52,8 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
         grammar_key=engine.grammars.key(params.structured_outputs),
         logit_bias_ids=[9, 130], logit_bias_values=[-100.0, 2.5])
     # The test covers every field: none of them may be left at its default.
-    for f in dataclasses.fields(protocol.WorkerSampling):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    for f in msgspec.structs.fields(protocol.WorkerSampling):
+        default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
         assert getattr(want, f.name) != default, f"{f.name} is not exercised"
     run(engine)
     (ns,) = new_seqs_of(workers, req.seqs[0].seq_id)
@@ -63,9 +62,9 @@ def test_every_sampling_field_reaches_the_workers(make_engine):
     # get consecutive seeds.
     for i, seq in enumerate(req2.seqs):
         (ns,) = new_seqs_of(workers, seq.seq_id)
-        assert ns.sampling == dataclasses.replace(want, stop_token_ids=[17, 41], seed=77 + i,
-                                                  grammar_key=None,
-                                                  prompt_logprobs=2 if i == 0 else None)
+        assert ns.sampling == msgspec.structs.replace(want, stop_token_ids=[17, 41],
+                                                      seed=77 + i, grammar_key=None,
+                                                      prompt_logprobs=2 if i == 0 else None)
     # The compiled grammar went to rank 0 once, before the plan that needs it.
     (load,) = [m for m in workers.other if isinstance(m, protocol.LoadGrammars)]
     assert load.keys == [want.grammar_key] and load.tokenizer_info and not load.drop

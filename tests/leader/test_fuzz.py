@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nvllm.common import client_protocol as cp
+from nvllm.common.client_decode import decode_client_frame
+from nvllm.common.client_limits import default_limits
 from nvllm.leader.server import EngineServer
 
 WAIT_MS = 5000
@@ -178,7 +180,7 @@ frames = st.one_of(submits().map(pack), submits().map(pack), one_param_submits()
                       one_param_submits().map(pack)))
 def test_the_decoder_returns_a_message_or_a_protocol_error(frame):
     try:
-        msg = cp.decode_client_frame(frame)
+        msg = decode_client_frame(frame)
     except cp.ClientProtocolError as e:
         assert e.code in ERROR_CODES, e.code
         assert isinstance(e.message, str) and 0 < len(e.message) < 400
@@ -186,12 +188,12 @@ def test_the_decoder_returns_a_message_or_a_protocol_error(frame):
         return
     assert type(msg) in cp.CLIENT_MESSAGES
     if isinstance(msg, cp.Submit):  # what the decoder lets through fits every limit
-        lim = cp.DEFAULT_LIMITS
+        lim = default_limits()
         assert type(msg.id) in (str, int) and INT64[0] <= msg.priority <= INT64[1]
         assert (msg.prompt is None) != (msg.prompt_token_ids is None)
         assert 1 <= msg.params.n <= lim.max_n
         assert len(msg.params.stop_token_ids or []) <= lim.max_stop_token_ids
-        cp.decode_client_frame(cp.encode(msg))  # and it round-trips
+        decode_client_frame(cp.encode(msg))  # and it round-trips
 
 
 # ---- a live server ---------------------------------------------------------------------

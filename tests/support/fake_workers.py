@@ -1,10 +1,11 @@
 """An in-process stand-in for the worker group, to run ``LLMEngine`` without workers.
 
-``FakeWorkers`` keeps per-sequence state from the plans the way ``ModelRunner`` does
-(new sequences in full, running ones as block deltas, sampled tokens kept by the
-workers) and samples a scripted token for every sequence whose last token was computed, with fake
-logprobs (``fake_logprobs``) for sequences that ask for them, and fake prompt logprobs
-(``fake_prompt_logprobs``) for the prompt positions a plan computes for a sequence that asks.
+``FakeWorkers`` keeps per-sequence state in the workers' own batch state
+(``nvllm.worker.input_batch.InputBatch``: the same validation, rows and sampling rule as
+``ModelRunner``) and samples a scripted token for every sequence whose last token was
+computed, with fake logprobs (``fake_logprobs``) for sequences that ask for them, and fake
+prompt logprobs (``fake_prompt_logprobs``) for the prompt positions a plan computes for a
+sequence that asks.
 Plans and results go through the wire codec, like the real client's; ``corrupt`` can slip
 malformed results in first.
 """
@@ -15,23 +16,35 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from nvllm.common import worker_protocol as protocol
 from nvllm.common.errors import EngineDeadError
 from nvllm.leader.engine import LLMEngine
+from nvllm.worker.input_batch import InputBatch
 
 BLOCK = 4
 NUM_BLOCKS = 64
+# The fake model knows no vocabulary: any id the leader lets through is a token.
+FAKE_VOCAB = 1 << 31
 
 
-@dataclass
+@dataclass(slots=True)
 class FakeSeq:
+    """What choose() and tests see of a held sequence: a copy of its batch row."""
+
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int
     block_table: list[int]
     sampling: protocol.WorkerSampling | None = None
+
+    @classmethod
+    def of(cls, batch: InputBatch, row: int) -> FakeSeq:
+        return cls(batch.tokens(row).tolist(), int(batch.num_prompt_tokens[row]),
+                   int(batch.num_computed_tokens[row]), batch.blocks(row).tolist(),
+                   batch.sampling[row])
 
 
 def fake_logprobs(n_out: int, token: int, k: int) -> list:
@@ -77,7 +90,7 @@ class FakeWorkers:
         self.choose = choose
         self.plans: list[protocol.StepPlan] = []
         self.other: list = []
-        self.seqs: dict[int, FakeSeq] = {}
+        self.batch = InputBatch(16, 64, 16, BLOCK, FAKE_VOCAB, NUM_BLOCKS)
         self.inbox: deque = deque([protocol.WorkerReady(0, "loaded", NUM_BLOCKS)])
         self.num_recvs = 0
         # Per plan: how many messages the engine had received when it sent the plan.
@@ -105,6 +118,7 @@ class FakeWorkers:
         msg = protocol.decode(data)
         if isinstance(msg, protocol.InitKVCache):
             self.num_kv_blocks = msg.num_blocks
+            self.batch.num_blocks = msg.num_blocks
             self.inbox.append(protocol.WorkerReady(0, "kv", NUM_BLOCKS))
         elif isinstance(msg, protocol.StepPlan):
             self.plans.append(msg)
@@ -129,39 +143,35 @@ class FakeWorkers:
             raise EngineDeadError(self.dead)
         return self.inbox.popleft()
 
+    @property
+    def seqs(self) -> dict[int, FakeSeq]:
+        """The held sequences by id (copies: changing them changes nothing)."""
+        return {sid: FakeSeq.of(self.batch, row) for sid, row in self.batch.row_of.items()}
+
     def _execute(self, plan: protocol.StepPlan) -> protocol.StepResult:
-        # What ModelRunner._apply_plan / execute do with a plan, minus the model.
-        for sid in plan.finished_ids:
-            self.seqs.pop(sid, None)
-        batch = []
-        for ns in plan.new_seqs:
-            assert ns.seq_id not in self.seqs, "a new seq the workers already hold"
-            fs = FakeSeq(list(ns.token_ids), ns.num_prompt_tokens, ns.num_computed_tokens,
-                         list(ns.block_table), ns.sampling)
-            self.seqs[ns.seq_id] = fs
-            batch.append((ns.seq_id, fs, ns.num_new_tokens))
-        for rs in plan.running:
-            fs = self.seqs[rs.seq_id]
-            fs.block_table.extend(rs.new_block_ids)
-            batch.append((rs.seq_id, fs, rs.num_new_tokens))
-        seq_ids, tokens, logprobs, prompt_lps = [], [], [], []
-        for sid, fs, n in batch:
-            end = fs.num_computed_tokens + n
-            assert n >= 1 and end <= len(fs.token_ids)
-            assert len(fs.block_table) * BLOCK >= end, "no KV slot for a scheduled token"
-            k, first = fs.sampling.prompt_logprobs, fs.num_computed_tokens + 1
-            last = min(end, fs.num_prompt_tokens - 1)  # as ModelRunner._prompt_logprobs
+        """What ModelRunner.execute does with a plan, minus the model."""
+        b = self.batch
+        step = b.apply(plan)
+        prompt_lps = []
+        for i in range(step.num_seqs):  # as ModelRunner._prompt_logprobs
+            row, start = int(step.rows[i]), int(step.start[i])
+            k = b.sampling[row].prompt_logprobs
+            first, last = start + 1, min(start + int(step.query_lens[i]),
+                                         int(b.num_prompt_tokens[row]) - 1)
             if k is not None and last >= first:
-                prompt_lps.append([sid, first, [fake_prompt_logprobs(p, fs.token_ids[p], k)
-                                                for p in range(first, last + 1)]])
-            fs.num_computed_tokens = end
-            if end == len(fs.token_ids):
-                seq_ids.append(sid)
-                tokens.append(self.choose(sid, fs))
-                k = fs.sampling.logprobs
-                logprobs.append(None if k is None else fake_logprobs(
-                    len(fs.token_ids) - fs.num_prompt_tokens, tokens[-1], k))
-                fs.token_ids.append(tokens[-1])  # workers keep what they sample
+                toks = b.token_ids[row]
+                prompt_lps.append([int(step.seq_ids[i]), first, [
+                    fake_prompt_logprobs(p, int(toks[p]), k) for p in range(first, last + 1)]])
+        seq_ids = step.seq_ids[step.sample_idx].tolist()
+        rows = step.rows[step.sample_idx].tolist()
+        tokens, logprobs = [], []
+        for sid, row in zip(seq_ids, rows):
+            fs = FakeSeq.of(b, row)
+            tokens.append(self.choose(sid, fs))
+            k = fs.sampling.logprobs
+            logprobs.append(None if k is None else fake_logprobs(
+                len(fs.token_ids) - fs.num_prompt_tokens, tokens[-1], k))
+        b.append_sampled(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
         # As the sampler: a list (None for rows that did not ask) when any row asked.
         lps = logprobs if any(x is not None for x in logprobs) else None
         return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001,

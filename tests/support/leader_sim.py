@@ -148,7 +148,7 @@ class Sim:
         for i in range(done // BS, cdiv(done + n, BS)):  # writes: only into our own blocks
             block = self.kv.pool.blocks[table[i]]
             # Cached already only by this step's own caching (of exactly these tokens).
-            cached_ours = block.token_ids == tuple(seq.token_ids[i * BS:(i + 1) * BS])
+            cached_ours = block.tokens == tuple(seq.token_ids[i * BS:(i + 1) * BS])
             assert block.ref_cnt == 1 and (block.block_hash is None or cached_ours), \
                 "write into a shared block"
             self.kv_content[table[i]] = tuple(seq.token_ids[:min((i + 1) * BS, done + n)])

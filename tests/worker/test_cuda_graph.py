@@ -61,12 +61,12 @@ def test_graph_decode_equals_eager(tiny):
     new = [protocol.NewSeq(i, [10 + i + j for j in range(n)], n, 0, n,
                            list(range(3 * i, 3 * i + 3)), greedy)
            for i, n in enumerate(lens)]
-    plans = [protocol.StepPlan(1, new, [], [])]
+    plans = [protocol.StepPlan.of(1, new, [], [])]
     # Decodes of 5 sequences (padded to 6), then 3 (padded to 4), with new blocks.
     for step in range(2, 8):
         ids = range(5) if step < 5 else (0, 2, 4)
         drops = [1, 3] if step == 5 else []
-        plans.append(protocol.StepPlan(step, [], [protocol.RunningSeq(i, 1, [])
+        plans.append(protocol.StepPlan.of(step, [], [protocol.RunningSeq(i, 1, [])
                                                   for i in ids], drops))
     replays_before = ReplayingGraph.replays
     for plan in plans:

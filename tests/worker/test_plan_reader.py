@@ -28,7 +28,7 @@ def test_plans_in_order_garbage_dropped(pair, threaded, caplog):
     pull.connect(endpoint)
     reader = PlanReader(pull, watch, 0, 1 << 16, threaded=threaded)
     try:
-        plans = [protocol.StepPlan(i, [], [protocol.RunningSeq(i, 1, [])], []) for i in (1, 2)]
+        plans = [protocol.StepPlan.of(i, [], [protocol.RunningSeq(i, 1, [])], []) for i in (1, 2)]
         push.send(protocol.encode(plans[0]))
         push.send(b"\x93garbage")
         push.send(protocol.encode(plans[1]))

@@ -80,7 +80,7 @@ def test_worker_survives_hostile_plan_frames(tiny, tmp_path):
             leader.send(frame)
         assert leader.quiet() and leader.proc.poll() is None
         # A plan before the KV cache exists is refused, with the step id.
-        leader.send(protocol.StepPlan(1, [new_seq(0, [1, 2, 3], [0])], [], []))
+        leader.send(protocol.StepPlan.of(1, [new_seq(0, [1, 2, 3], [0])], [], []))
         err = leader.recv()
         assert isinstance(err, protocol.WorkerError) and err.step_id == 1
         assert "before the KV cache" in err.message
@@ -88,13 +88,13 @@ def test_worker_survives_hostile_plan_frames(tiny, tmp_path):
         assert leader.recv().stage == "kv"
 
         bad = {
-            "outside the vocabulary": protocol.StepPlan(2, [new_seq(0, [1, leader.vocab], [0])],
+            "outside the vocabulary": protocol.StepPlan.of(2, [new_seq(0, [1, leader.vocab], [0])],
                                                         [], []),
-            "outside the KV cache": protocol.StepPlan(3, [new_seq(0, [1, 2], [16])], [], []),
-            "block(s) of 4": protocol.StepPlan(4, [new_seq(0, list(range(1, 10)), [0])], [],
+            "outside the KV cache": protocol.StepPlan.of(3, [new_seq(0, [1, 2], [16])], [], []),
+            "block(s) of 4": protocol.StepPlan.of(4, [new_seq(0, list(range(1, 10)), [0])], [],
                                                []),
-            "not held": protocol.StepPlan(5, [], [protocol.RunningSeq(7, 1, [])], []),
-            "appears twice": protocol.StepPlan(6, [new_seq(0, [1], [0]), new_seq(0, [2], [1])],
+            "not held": protocol.StepPlan.of(5, [], [protocol.RunningSeq(7, 1, [])], []),
+            "appears twice": protocol.StepPlan.of(6, [new_seq(0, [1], [0]), new_seq(0, [2], [1])],
                                                [], []),
         }
         for words, plan in bad.items():
@@ -103,11 +103,11 @@ def test_worker_survives_hostile_plan_frames(tiny, tmp_path):
             assert isinstance(err, protocol.WorkerError), words
             assert err.step_id == plan.step_id and words in err.message, err.message
         # The state is untouched: a valid sequence runs, then continues as a delta.
-        leader.send(protocol.StepPlan(7, [new_seq(0, [5, 6, 7, 8, 9], [0, 1])], [], []))
+        leader.send(protocol.StepPlan.of(7, [new_seq(0, [5, 6, 7, 8, 9], [0, 1])], [], []))
         first = leader.recv()
         assert isinstance(first, protocol.StepResult) and first.seq_ids == [0]
         # The worker kept the token it sampled: the delta carries only the count.
-        leader.send(protocol.StepPlan(8, [], [protocol.RunningSeq(0, 1, [])], []))
+        leader.send(protocol.StepPlan.of(8, [], [protocol.RunningSeq(0, 1, [])], []))
         second = leader.recv()
         assert isinstance(second, protocol.StepResult) and second.seq_ids == [0]
         leader.send(protocol.Shutdown())

@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from nvllm.common.client_limits import MAX_LOGPROBS  # logprobs, top_logprobs
 from nvllm.common.client_protocol import depth_exceeds
 from nvllm.launch.openai.errors import ApiError
 
@@ -35,7 +36,6 @@ MAX_STOP_CHARS = 1024  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (the leader's own bound is --max-logit-bias)
 MAX_N = 128
-MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat)
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_INT32 = 2**31 - 1  # every other integer field: token ids, counts, lengths
