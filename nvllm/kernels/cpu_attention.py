@@ -53,6 +53,9 @@ class DecodeRows:
     caps: torch.Tensor
     lens: torch.Tensor
     slots: torch.Tensor | None = None
+    # Whether the kernel's rows are the step's every row (decode only): set by the step's
+    # first layer (attention or decode_qkv), which every other layer reuses.
+    all_rows: bool | None = None
 
 
 @dataclass(slots=True)
@@ -207,7 +210,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     views = meta.cpu_kv
     dec = views.decode
     # Decoding rows only (one token each): the kernel stores every row itself.
-    all_rows = dec is not None and len(dec.seqs) == q.shape[0]
+    all_rows = dec is not None and _all_rows(dec, meta, q.shape[0])
     if not all_rows:  # (the kernel's rows, if any, are then stored twice: harmless)
         reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     cu = meta.cu_seqlens_q_host
@@ -228,8 +231,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if dec is None:
         return reference.attend_runs(q, meta, scale, kv_of, lens, window)
     out = torch.empty_like(q)
-    if dec.slots is None:
-        dec.slots = meta.slot_mapping if all_rows else meta.slot_mapping[dec.rows]
     cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, dec.slots, dec.rows, dec.bases,
                              dec.caps, dec.lens, layer, scale, window or 0)
     if len(dec.seqs) < meta.num_seqs:
@@ -243,3 +244,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                                          ctx, scale, window, first)
                 out[a:b] = o[0].transpose(0, 1)
     return out
+
+
+def _all_rows(dec: DecodeRows, meta: AttentionMetadata, tokens: int) -> bool:
+    """Whether the kernel serves every row of the step; also takes dec.slots (once)."""
+    if dec.all_rows is None:
+        dec.all_rows = len(dec.seqs) == tokens
+        dec.slots = meta.slot_mapping if dec.all_rows else meta.slot_mapping[dec.rows]
+    return dec.all_rows
+
+
+def decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: int,
+               window: int | None = None) -> torch.Tensor | None:
+    """A decode-only step's attention from the fused projection ``qkv``
+    ([T, (heads + 2 kv_heads) d]) in one native call: neox rotary (cos/sin: the float32
+    [max_pos, d] tables), the K/V stores and attention, as split + rotary_embedding +
+    ``attention`` compute them (the same values); [T, heads * d]. None when the step is not
+    the kernel's alone (some row prefills or reads its pages): the caller takes the
+    general path."""
+    views = meta.cpu_kv
+    dec = views.decode if views is not None else None
+    if dec is None or not _all_rows(dec, meta, qkv.shape[0]):
+        return None
+    return cpu_ops.decode_attention_qkv(qkv, positions, cos, sin, heads, kv_heads, k_cache,
+                                        v_cache, dec.slots, dec.rows, dec.bases, dec.caps,
+                                        dec.lens, layer, scale, window or 0)

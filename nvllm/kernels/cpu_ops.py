@@ -108,10 +108,26 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
                                          bases, caps, lens, layer, scale, window)
 
 
+def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                         bases: torch.Tensor, caps: torch.Tensor, lens: torch.Tensor,
+                         layer: int, scale: float, window: int = 0) -> torch.Tensor:
+    """decode_attention of the fused q/k/v projection's output ([T, (heads + 2 kv_heads) d]),
+    q and k rotated as rotary_embedding rotates them, in one call; returns [T, heads * d]
+    (rows not in `rows` left unwritten)."""
+    out = torch.empty(qkv.shape[0], heads * (qkv.shape[1] // (heads + 2 * kv_heads)),
+                      dtype=qkv.dtype)
+    torch.ops.nvllm_cpu.decode_attention_qkv(out, qkv, positions, cos, sin, heads, kv_heads,
+                                             k_cache, v_cache, slots, rows, bases, caps,
+                                             lens, layer, scale, window)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """reference.rms_norm over the last dim of a 2-D or 3-D x (rows may be strided)."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    torch.ops.nvllm_cpu.rms_norm(_rows(out), _rows(x), weight, eps, None, None)
+    torch.ops.nvllm_cpu.rms_norm(out, x, weight, eps, None, None)
     return out
 
 
@@ -120,9 +136,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """reference.fused_add_rms_norm: (rms_norm(x + residual), x + residual)."""
     out = torch.empty(x.shape, dtype=x.dtype)
     res_out = torch.empty(x.shape, dtype=x.dtype)
-    torch.ops.nvllm_cpu.rms_norm(_rows(out), _rows(x), weight, eps, _rows(residual),
-                                 _rows(res_out))
+    torch.ops.nvllm_cpu.rms_norm(out, x, weight, eps, residual, res_out)
     return out, res_out
+
+
+def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm in place, with no allocation: x + residual into residual (which
+    must be contiguous), its norm into x; returns (x, residual). The same values."""
+    torch.ops.nvllm_cpu.rms_norm(x, x, weight, eps, residual, residual)
+    return x, residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -146,11 +169,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     xgrammar's bitmask layout; logits float32 [B, V], bitmask int32 [B, ceil(V / 32)])."""
     torch.ops.nvllm_cpu.apply_token_bitmask(logits, bitmask,
                                             torch.tensor(rows, dtype=torch.long))
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A [A, B, D] view of a 2-D or 3-D tensor, as the row kernels take it."""
-    return t.unsqueeze(1) if t.dim() == 2 else t
 
 
 if __name__ == "__main__":

@@ -88,6 +88,21 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
     return paged_attention(q, k_cache, v_cache, meta, scale, backend, window)
 
 
+def decode_attention_qkv(qkv, positions, cos, sin, num_heads: int, num_kv_heads: int,
+                         k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         backend: str = "torch", layer: int = 0,
+                         window: int | None = None) -> torch.Tensor | None:
+    """Neox rotary + ``attention`` of a decode-only step in one native call, from the fused
+    q/k/v projection's output ``qkv`` ([T, (heads + 2 kv_heads) d]; cos/sin: the rotary
+    tables); [T, heads * d], the values split + ``rotary_embedding`` + ``attention`` give.
+    None (take that path instead) off the cpu backend or when some row of the step is not
+    the native decode kernel's."""
+    if backend != "cpu" or meta.cpu_kv is None:
+        return None
+    return cpu_attention.decode_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads,
+                                    k_cache, v_cache, meta, scale, layer, window)
+
+
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
     if backend == "triton":
         return _triton_attention().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
@@ -115,6 +130,14 @@ def fused_add_rms_norm(x, residual, weight, eps: float, backend: str = "torch"):
     if backend == "triton":
         return _triton_layer_ops().fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def fused_add_rms_norm_(x, residual, weight, eps: float, backend: str = "torch"):
+    """fused_add_rms_norm, in place on the cpu backend (x + residual into residual, which
+    must be contiguous, and its norm into x; no allocation); elsewhere new tensors."""
+    if backend == "cpu":
+        return cpu_ops.fused_add_rms_norm_(x, residual, weight, eps)
+    return fused_add_rms_norm(x, residual, weight, eps, backend)
 
 
 def rotary_embedding(positions, q, k, cos, sin, backend: str = "torch"):

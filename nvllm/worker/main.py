@@ -181,6 +181,23 @@ def init_distributed(spec: dict, backend: str, timeout_s: float) -> None:
                             rank=rank, world_size=world, timeout=timeout)
 
 
+def pin_to_cores(local_rank: int, threads: int) -> None:
+    """Pin this process (before torch starts its threads, which inherit it) to the
+    local_rank-th run of `threads` cores among those it may use; a no-op when there are
+    too few or the platform cannot."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    mine = cores[local_rank * threads:(local_rank + 1) * threads]
+    if len(mine) < threads:
+        logger.warning("cpu_pin_workers: rank %d needs cores %d-%d of %d: not pinned",
+                       local_rank, local_rank * threads, (local_rank + 1) * threads - 1,
+                       len(cores))
+        return
+    os.sched_setaffinity(0, mine)
+
+
 def run_worker(spec: dict) -> None:
     rank, world = spec["rank"], spec["world_size"]
     config = EngineConfig(**dict(spec["config"]))
@@ -194,8 +211,11 @@ def run_worker(spec: dict) -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        torch.set_num_threads(config.cpu_threads or max(
-            1, (os.cpu_count() or 1) // spec.get("local_world_size", world)))
+        threads = config.cpu_threads or max(
+            1, (os.cpu_count() or 1) // spec.get("local_world_size", world))
+        if config.cpu_pin_workers:
+            pin_to_cores(local_rank, threads)
+        torch.set_num_threads(threads)
         if config.cpu_malloc_reuse:
             keep_freed_memory()
     torch.manual_seed(config.seed)
@@ -229,6 +249,8 @@ def run_worker(spec: dict) -> None:
         else:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
+        if device.type == "cpu":
+            runner.model.single_thread_rows = config.cpu_single_thread_rows
         result_sock.send(worker_protocol.encode(worker_protocol.WorkerReady(
             rank, "loaded", runner.available_kv_blocks(), *runner.load_stats)))
         reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,

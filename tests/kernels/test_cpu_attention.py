@@ -401,3 +401,44 @@ def test_native_decode_kernel(dtype, heads, kv_heads, d, window):
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[row].float(), want, atol=tol, rtol=tol)
     assert torch.all(out[[1, 4]] == 7.0)
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 64), (6, 2, 80), (4, 4, 32)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_decode_attention_qkv_equals_split_rotary_then_kernel(dtype, heads, kv_heads, d,
+                                                              window):
+    """The fused call (rotary inside the kernel, q/k/v read from the projection's output)
+    stores and returns exactly what split + rotary_embedding + decode_attention do."""
+    from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
+
+    class Cfg:
+        rope_theta = 10000.0
+
+    g = torch.Generator().manual_seed(heads * d + window)
+    rot = RotaryEmbedding(d, 512, compute_inv_freq(Cfg(), d)[0])
+    lens = [1, 7, 64, 300, 33]
+    layers, layer = 3, 1
+    bufs = [torch.randn(layers, 2, kv_heads, n + 5, d, generator=g).to(dtype) for n in lens]
+    bufs2 = [b.clone() for b in bufs]
+    tokens = len(lens) + 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    rows = [0, 2, 3, 5, 6]
+    slots = [3, -1, 17, 40, 63]
+    caches = [[torch.zeros(4, 16, kv_heads, d, dtype=dtype) for _ in range(2)]
+              for _ in range(2)]
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    vecs = lambda bs: (as_long(slots), as_long(rows),  # noqa: E731
+                       as_long([b.data_ptr() for b in bs]), as_long([b.shape[3] for b in bs]),
+                       as_long(lens))
+    q, k, v = qkv.view(tokens, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+    q, k = cpu_ops.rotary_embedding(positions, q, k, rot.cos, rot.sin)
+    want = torch.zeros_like(q)
+    cpu_ops.decode_attention(want, q, k, v, *caches[0], *vecs(bufs), layer, 0.3, window)
+    out = cpu_ops.decode_attention_qkv(qkv, positions, rot.cos, rot.sin, heads, kv_heads,
+                                       *caches[1], *vecs(bufs2), layer, 0.3, window)
+    assert torch.equal(out[rows], want.view(tokens, -1)[rows])
+    assert all(torch.equal(a, b) for a, b in zip(bufs, bufs2))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

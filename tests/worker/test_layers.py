@@ -85,6 +85,68 @@ def test_rmsnorm_fused_residual():
     assert torch.equal(x, x0) and torch.equal(r, r0)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    not __import__("nvllm.kernels.cpu_ops", fromlist=["load"]).load(),
+    reason="nvllm's CPU ops are not built"))])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=str)
+def test_add_norm_in_place_gives_the_fused_values(backend, dtype):
+    """add_norm_ (the decoder layers' residual add): forward(x, residual)'s values; on the
+    cpu backend written into x (the norm) and residual (the sum), with no new tensor."""
+    norm = _rmsnorm()
+    norm.weight.data = norm.weight.data.to(dtype)
+    norm.backend = backend
+    x = torch.randn(5, 64, generator=gen(4)).to(dtype)
+    r = torch.randn(5, 64, generator=gen(5)).to(dtype)
+    want_out, want_res = norm(x.clone(), r.clone())
+    out, res = norm.add_norm_(x, r)
+    assert torch.equal(out, want_out) and torch.equal(res, want_res)
+    if backend == "cpu":
+        assert out is x and res is r
+
+
+def test_small_passes_run_on_one_thread_and_restore_the_count():
+    """LlamaForCausalLM.single_thread_rows: a pass of at most that many tokens runs on one
+    torch thread; the count is restored after it, and larger passes keep it."""
+    from nvllm.worker.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=0, num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(cfg, TPContext(), F32, 64)
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x, residual=None):
+            seen.append(torch.get_num_threads())
+            return x, residual
+
+    model.norm = Probe()
+    model.single_thread_rows = 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (1, 2, 3):
+            ids = torch.zeros(n, dtype=torch.long)
+            model.forward(ids, torch.arange(n), None)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 2]
+
+
+def test_pin_to_cores(monkeypatch):
+    """cpu_pin_workers: local rank i takes the i-th run of `threads` cores it may use, and
+    nothing is pinned when there are too few."""
+    from nvllm.worker import main
+
+    pinned = []
+    monkeypatch.setattr(main.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(main.os, "sched_setaffinity", lambda pid, cores: pinned.append(cores))
+    main.pin_to_cores(1, 2)
+    main.pin_to_cores(0, 1)
+    main.pin_to_cores(2, 2)  # cores 4-5: there are none
+    assert pinned == [[2, 3], [0]]
+
+
 # --- Rotary ----------------------------------------------------------------------------
 
 HEAD_DIM, HEADS, KV_HEADS, MAX_POS = 16, 4, 2, 512

@@ -28,6 +28,7 @@
 namespace {
 
 using nvllm_cpu::from_float;
+using nvllm_cpu::round_to;
 using nvllm_cpu::to_float;
 
 // Softmax numerators in place (exp(s - max)) over s[0..len); returns 1 / their sum.
@@ -158,8 +159,10 @@ template <typename T>
 AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
 #define NVLLM_CASE(G, D) \
   if (group == G && d == D) return &attend_fixed<T, G, D>;
-  NVLLM_CASE(1, 64) NVLLM_CASE(2, 64) NVLLM_CASE(4, 64) NVLLM_CASE(8, 64)
-  NVLLM_CASE(1, 128) NVLLM_CASE(2, 128) NVLLM_CASE(4, 128) NVLLM_CASE(8, 128)
+  NVLLM_CASE(1, 64) NVLLM_CASE(2, 64) NVLLM_CASE(3, 64) NVLLM_CASE(4, 64)
+  NVLLM_CASE(6, 64) NVLLM_CASE(8, 64)
+  NVLLM_CASE(1, 128) NVLLM_CASE(2, 128) NVLLM_CASE(3, 128) NVLLM_CASE(4, 128)
+  NVLLM_CASE(6, 128) NVLLM_CASE(8, 128)
 #undef NVLLM_CASE
   return nullptr;
 }
@@ -215,12 +218,39 @@ void append(T* dst, const T* src, int64_t d) {
   std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(T));
 }
 
+// Neox rotary of one [d] row into o, rounded as csrc/cpu_layer_ops.cpp's rotate does (so
+// decode_attention_qkv stores and reads exactly what rotary_embedding would produce).
 template <typename T>
-void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-         const at::Tensor& rows, const at::Tensor& bases, const at::Tensor& caps,
-         const at::Tensor& lens, int64_t layer, double scale, int64_t window) {
-  const int64_t n = rows.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_new.size(1);
+inline void rope_row(T* o, const T* x, const float* c, const float* s, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float xi = to_float(x[i]);
+    const float rot = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
+    const float a = round_to<T>(xi * round_to<T>(c[i]));
+    const float b = round_to<T>(rot * round_to<T>(s[i]));
+    o[i] = from_float<T>(a + b);
+  }
+}
+
+// Below this many multiply-adds (scores and values, all tasks) a call runs on the calling
+// thread: waking a second one costs more than it saves, and on a shared core it may wait
+// a whole time slice for it (1 sequence at context 128: ~0.15 M).
+constexpr int64_t kSerialWork = 1 << 20;
+
+struct Rope {  // positions of the step's tokens and the [max_pos, d] float32 tables
+  const int64_t* pos = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+};
+
+template <typename T>
+void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1, const T* kp,
+         int64_t ks0, int64_t ks1, const T* vp, int64_t vs0, int64_t vs1, int64_t heads,
+         int64_t kv_heads, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
+         const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
+         const at::Tensor& caps, const at::Tensor& lens, int64_t layer, double scale,
+         int64_t window, Rope rope) {
+  const int64_t n = rows.size(0);
   const int64_t group = heads / kv_heads;
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* base = bases.data_ptr<int64_t>();
@@ -229,18 +259,15 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
   const int64_t* slot = slots.data_ptr<int64_t>();
   T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
   T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
-  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-  const T* kp = reinterpret_cast<const T*>(k_new.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v_new.data_ptr());
-  const int64_t ks0 = k_new.stride(0), ks1 = k_new.stride(1);
-  const int64_t vs0 = v_new.stride(0), vs1 = v_new.stride(1);
-  T* op = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
 #ifdef __AVX512F__
   const AttendFn<T> fixed = fixed_kernel<T>(group, d);
 #endif
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  int64_t keys = 0;
+  for (int64_t b = 0; b < n; ++b) keys += len[b];
+  auto task = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    T k_rot[kMaxHeadDim];
+    T q_rot[kMaxGroup * kMaxHeadDim];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / kv_heads, h = t % kv_heads;
       T* buf = reinterpret_cast<T*>(base[b]);
@@ -248,13 +275,23 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
       T* v = buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
       const T* kb = kp + row[b] * ks0 + h * ks1;
       const T* vb = vp + row[b] * vs0 + h * vs1;
+      const T* qh = qp + row[b] * qs0 + h * group * qs1;
+      int64_t q_stride = qs1;
+      if (rope.pos != nullptr) {
+        const float* c = rope.cos + rope.pos[row[b]] * d;
+        const float* s = rope.sin + rope.pos[row[b]] * d;
+        rope_row<T>(k_rot, kb, c, s, d);
+        kb = k_rot;
+        for (int64_t g = 0; g < group; ++g) rope_row<T>(q_rot + g * d, qh + g * qs1, c, s, d);
+        qh = q_rot;
+        q_stride = d;
+      }
       append<T>(k + (len[b] - 1) * d, kb, d);
       append<T>(v + (len[b] - 1) * d, vb, d);
       if (slot[b] >= 0) {  // the paged cache too: prefix hits and rebuilt copies read it
         append<T>(kc + (slot[b] * kv_heads + h) * d, kb, d);
         append<T>(vc + (slot[b] * kv_heads + h) * d, vb, d);
       }
-      const T* qh = qp + row[b] * qs0 + h * group * qs1;
       T* oh = op + row[b] * os0 + h * group * os1;
       // A sliding window only moves the first visible key: the last `window` ones.
       const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0;
@@ -262,14 +299,37 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_new, const at
       const T* vw = v + first * d;
 #ifdef __AVX512F__
       if (fixed != nullptr) {
-        fixed(qh, qs1, kw, vw, len[b] - first, static_cast<float>(scale), oh, os1, scores);
+        fixed(qh, q_stride, kw, vw, len[b] - first, static_cast<float>(scale), oh, os1,
+              scores);
         continue;
       }
 #endif
-      attend_one<T>(qh, qs1, kw, vw, len[b] - first, group, d, static_cast<float>(scale), oh,
-                    os1, scores);
+      attend_one<T>(qh, q_stride, kw, vw, len[b] - first, group, d, static_cast<float>(scale),
+                    oh, os1, scores);
     }
-  });
+  };
+  if (2 * keys * heads * d < kSerialWork)
+    task(0, n * kv_heads);
+  else
+    at::parallel_for(0, n * kv_heads, 1, task);
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
+                 int64_t d, at::ScalarType dtype, const at::Tensor& rows,
+                 std::initializer_list<const at::Tensor*> vectors) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(2) == kv_heads &&
+                    t->size(3) == d && t->scalar_type() == dtype,
+                "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, d]");
+  for (const at::Tensor* t : vectors)
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
+                    t->size(0) == rows.size(0),
+                "rows, bases, caps, lens and slots must be int64 vectors of one length");
 }
 
 // For each decoding sequence b: write k_new[rows[b]] and v_new[rows[b]] as its token
@@ -283,31 +343,82 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
                       const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
                       const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
                       double scale, int64_t window) {
-  const int64_t kv_heads = k_new.size(1);
+  const int64_t kv_heads = k_new.size(1), heads = q.size(1), d = q.size(2);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_new, &v_new})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->size(2) == q.size(2) &&
                     t->scalar_type() == q.scalar_type(),
                 "out, q, k_new and v_new must be [tokens, heads, d] of one dtype, d contiguous");
   TORCH_CHECK(v_new.size(1) == kv_heads, "k_new and v_new must have the same heads");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
-    TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(2) == kv_heads &&
-                    t->size(3) == q.size(2) && t->scalar_type() == q.scalar_type(),
-                "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, d]");
-  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
+  check_cache(k_cache, v_cache, kv_heads, d, q.scalar_type(), rows,
+              {&rows, &bases, &caps, &lens, &slots});
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
-  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim must be at most 256");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&rows, &bases, &caps, &lens, &slots})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
-                    t->size(0) == rows.size(0),
-                "rows, bases, caps, lens and slots must be int64 vectors of one length");
+  TORCH_CHECK(d <= kMaxHeadDim, "head_dim must be at most 256");
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    run<T>(ptr<T>(out), out.stride(0), out.stride(1), ptr<T>(q), q.stride(0), q.stride(1),
+           ptr<T>(k_new), k_new.stride(0), k_new.stride(1), ptr<T>(v_new), v_new.stride(0),
+           v_new.stride(1), heads, kv_heads, d, k_cache, v_cache, slots, rows, bases, caps,
+           lens, layer, scale, window, Rope{});
+  };
   if (q.scalar_type() == at::kFloat)
-    run<float>(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens, layer,
-               scale, window);
+    go(float{});
   else if (q.scalar_type() == at::kBFloat16)
-    run<uint16_t>(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens,
-                  layer, scale, window);
+    go(uint16_t{});
   else
     TORCH_CHECK(false, "decode_attention runs in float32 or bfloat16");
+}
+
+// decode_attention of the fused projection's output qkv = [tokens, (heads + 2 kv_heads) d]
+// (rows d-contiguous): q and k rotated first (neox, by positions and the float32
+// [max_pos, d] cos and sin tables), as rotary_embedding would rotate them; out:
+// [tokens, heads * d] contiguous. One call does what the split, the rotary op and
+// decode_attention did.
+void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tensor& positions,
+                          const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                          int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& slots, const at::Tensor& rows,
+                          const at::Tensor& bases, const at::Tensor& caps,
+                          const at::Tensor& lens, int64_t layer, double scale, int64_t window) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 &&
+                  heads / kv_heads <= kMaxGroup,
+              "query heads per KV head must divide evenly and be at most 16");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "qkv must be [tokens, (heads + 2 kv_heads) d] with rows contiguous");
+  const int64_t d = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(d <= kMaxHeadDim && d % 2 == 0, "head_dim must be even and at most 256");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == qkv.size(0) &&
+                  out.size(1) == heads * d && out.scalar_type() == qkv.scalar_type(),
+              "out must be contiguous [tokens, heads * d] of qkv's dtype");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "decode_attention_qkv runs in float32 or bfloat16");
+  check_cache(k_cache, v_cache, kv_heads, d, qkv.scalar_type(), rows,
+              {&rows, &bases, &caps, &lens, &slots});
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0),
+              "positions must be int64, one per token");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "cos and sin must be contiguous float32 [max_pos, d]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    const int64_t p = pos[rows.data_ptr<int64_t>()[i]];
+    TORCH_CHECK(p >= 0 && p < cos.size(0), "position out of the rotary tables' range");
+  }
+  const Rope rope{pos, cos.data_ptr<float>(), sin.data_ptr<float>()};
+  const int64_t s0 = qkv.stride(0);
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = ptr<T>(qkv);
+    run<T>(ptr<T>(out), out.stride(0), d, x, s0, d, x + heads * d, s0, d,
+           x + (heads + kv_heads) * d, s0, d, heads, kv_heads, d, k_cache, v_cache, slots,
+           rows, bases, caps, lens, layer, scale, window, rope);
+  };
+  if (qkv.scalar_type() == at::kFloat)
+    go(float{});
+  else
+    go(uint16_t{});
 }
 
 }  // namespace
@@ -316,6 +427,13 @@ TORCH_LIBRARY(nvllm_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor rows, Tensor bases, "
         "Tensor caps, Tensor lens, int layer, float scale, int window=0) -> ()");
+  m.def("decode_attention_qkv(Tensor(a!) out, Tensor qkv, Tensor positions, Tensor cos, "
+        "Tensor sin, int heads, int kv_heads, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slots, Tensor rows, Tensor bases, Tensor caps, Tensor lens, int layer, "
+        "float scale, int window=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_qkv", &decode_attention_qkv);
+}

@@ -59,34 +59,53 @@ void check_rows(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16");
 }
 
-// x, out (and residual, res_out): [A, B, D]; res_out contiguous. weight: [D].
+// A 2-D [A, D] or 3-D [A, B, D] tensor's rows as [A, B, D] sizes and strides (2-D: B = 1),
+// so callers need not make a 3-D view first.
+struct Rows {
+  int64_t A, B, D, s0, s1;
+};
+
+Rows rows_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1, name,
+              " must be [A, D] or [A, B, D] with D contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+  if (t.dim() == 2) return {t.size(0), 1, t.size(1), t.stride(0), 0};
+  return {t.size(0), t.size(1), t.size(2), t.stride(0), t.stride(1)};
+}
+
+// x, out (and residual, res_out): [A, B, D] or [A, D], one shape; res_out contiguous (it
+// may be residual itself, and out may be x: each row is read before it is written).
+// weight: [D].
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps,
               const c10::optional<at::Tensor>& residual, c10::optional<at::Tensor> res_out) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  const int64_t A = x.size(0), B = x.size(1), D = x.size(2);
+  const Rows xr = rows_of(x, "x"), orr = rows_of(out, "out");
+  const int64_t A = xr.A, B = xr.B, D = xr.D;
+  TORCH_CHECK(orr.A == A && orr.B == B && orr.D == D, "out must be shaped like x");
   TORCH_CHECK(D <= kMaxDim && weight.is_contiguous() && weight.numel() == D &&
                   weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
               "weight must be [D] of x's dtype, D <= 16384");
   const bool add = residual.has_value();
+  Rows rr{0, 0, 0, 0, 0};
   if (add) {
-    check_rows(*residual, "residual");
+    rr = rows_of(*residual, "residual");
+    TORCH_CHECK(rr.A == A && rr.B == B && rr.D == D && residual->scalar_type() == x.scalar_type(),
+                "residual must be shaped and typed like x");
     TORCH_CHECK(res_out.has_value() && res_out->is_contiguous() &&
-                    res_out->numel() == x.numel(), "res_out must be contiguous like x");
+                    res_out->numel() == x.numel() && res_out->scalar_type() == x.scalar_type(),
+                "res_out must be contiguous like x");
   }
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat) {
-    rms_rows<float>(out.data_ptr<float>(), out.stride(0), out.stride(1),
+    rms_rows<float>(out.data_ptr<float>(), orr.s0, orr.s1,
                     add ? res_out->data_ptr<float>() : nullptr, x.data_ptr<float>(),
-                    x.stride(0), x.stride(1), add ? residual->data_ptr<float>() : nullptr,
-                    add ? residual->stride(0) : 0, add ? residual->stride(1) : 0,
-                    weight.data_ptr<float>(), A, B, D, e);
+                    xr.s0, xr.s1, add ? residual->data_ptr<float>() : nullptr,
+                    rr.s0, rr.s1, weight.data_ptr<float>(), A, B, D, e);
   } else {
     auto p = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    rms_rows<uint16_t>(p(out), out.stride(0), out.stride(1), add ? p(*res_out) : nullptr,
-                       p(x), x.stride(0), x.stride(1), add ? p(*residual) : nullptr,
-                       add ? residual->stride(0) : 0, add ? residual->stride(1) : 0, p(weight),
-                       A, B, D, e);
+    rms_rows<uint16_t>(p(out), orr.s0, orr.s1, add ? p(*res_out) : nullptr, p(x), xr.s0,
+                       xr.s1, add ? p(*residual) : nullptr, rr.s0, rr.s1, p(weight), A, B, D,
+                       e);
   }
 }
 

@@ -21,3 +21,10 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps, self.backend)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.backend)
+
+    def add_norm_(self, x: torch.Tensor, residual: torch.Tensor):
+        """forward(x, residual), in place where the backend can (the decoder layers own
+        both tensors): (norm(x + residual), x + residual)."""
+        # (_parameters: a plain dict read, where self.weight costs a Module.__getattr__)
+        return ops.fused_add_rms_norm_(x, residual, self._parameters["weight"], self.eps,
+                                       self.backend)

@@ -13,6 +13,7 @@ from collections.abc import Generator
 import torch
 from torch import nn
 
+from nvllm.kernels import ops
 from nvllm.kernels.metadata import AttentionMetadata
 from nvllm.worker.layers.activation import SiluAndMul
 from nvllm.worker.layers.attention import Attention
@@ -22,12 +23,25 @@ from nvllm.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    linear,
 )
 from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
 from nvllm.worker.parallel import TPContext
 
 # Yields partial sums to all-reduce, receives them reduced (see LlamaForCausalLM.stages).
 Stages = Generator[torch.Tensor, torch.Tensor, object]
+
+
+def _hot(m: nn.Module, *names: str) -> tuple:
+    """m's submodules `names`, kept as a plain tuple in m.__dict__ from the first call on:
+    each nn.Module.__getattr__ of a submodule or parameter costs about 1 µs, some twenty
+    of them a layer on the decode path (submodules are not reassigned after the first
+    forward)."""
+    t = m.__dict__.get("_hot_modules")
+    if t is None:
+        t = tuple(m._modules[n] for n in names)
+        object.__setattr__(m, "_hot_modules", t)
+    return t
 
 
 class DecoderAttention(nn.Module):
@@ -50,6 +64,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, backend, window)
         self.qk_norm = qk_norm
+        self.backend = backend
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, backend)
@@ -57,7 +72,16 @@ class DecoderAttention(nn.Module):
     def partial(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's partial sum (all-reduce, then o_proj.finish)."""
-        qkv = self.qkv_proj(x)
+        qkv_proj, o_proj, attn, rot = _hot(self, "qkv_proj", "o_proj", "attn", "rotary_emb")
+        qkv = linear(x, qkv_proj, qkv_proj.bias)
+        if not self.qk_norm:  # decode-only steps on the cpu backend: one native call
+            tables = rot._buffers
+            o = ops.decode_attention_qkv(qkv, positions, tables["cos"], tables["sin"],
+                                         self.num_heads, self.num_kv_heads, attn.k_cache,
+                                         attn.v_cache, meta, attn.scale, self.backend,
+                                         attn.layer_idx, attn.window)
+            if o is not None:
+                return linear(o, o_proj)
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
                              self.num_kv_heads * d], dim=-1)
@@ -83,10 +107,11 @@ class DecoderMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to down_proj's partial sum (all-reduce, then down_proj.finish)."""
-        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
+        gate_up, down, act = _hot(self, "gate_up_proj", "down_proj", "act_fn")
+        return linear(ops.silu_and_mul(linear(x, gate_up, gate_up.bias), act.backend), down)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.finish(y)
+        return _hot(self, "gate_up_proj", "down_proj", "act_fn")[1].finish(y)
 
 
 class DecoderLayer(nn.Module):
@@ -105,14 +130,20 @@ class DecoderLayer(nn.Module):
                                                 backend)
 
     def stages(self, positions, x, residual, meta) -> Stages:
+        # Module methods are called directly (no nn.Module.__call__) and the residual adds
+        # run in place where the backend can: at one decoding row these hops, not the
+        # arithmetic, were most of a layer's time outside its GEMMs.
+        attn, mlp, norm1, norm2 = _hot(self, "self_attn", "mlp", "input_layernorm",
+                                       "post_attention_layernorm")
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = norm1.forward(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn.o_proj.finish((yield self.self_attn.partial(positions, x, meta)))
-        x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp.finish((yield self.mlp.partial(x)))
+            x, residual = norm1.add_norm_(x, residual)
+        x = _hot(attn, "qkv_proj", "o_proj", "attn", "rotary_emb")[1].finish(
+            (yield attn.partial(positions, x, meta)))
+        x, residual = norm2.add_norm_(x, residual)
+        x = mlp.finish((yield mlp.partial(x)))
         return x, residual
 
 
@@ -128,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # Decode steps may be captured in CUDA graphs (no host syncs, shapes fixed by the batch).
     graph_safe = True
+    # CPU: passes of at most this many tokens run on one torch thread (0: as many as set);
+    # the worker sets it from EngineConfig.cpu_single_thread_rows.
+    single_thread_rows = 0
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -170,12 +204,21 @@ class LlamaForCausalLM(nn.Module):
         tensor-parallel all-reduce, is resumed with the reduced tensor, and returns the
         final hidden states. TPContext.run drives one pass, or two micro-batches so that
         one's all-reduce runs while the other computes."""
-        x = yield self.embed_tokens.partial(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = yield from layer.stages(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        threads = torch.get_num_threads()
+        one = (threads > 1 and input_ids.numel() <= self.single_thread_rows
+               and input_ids.device.type == "cpu")
+        if one:
+            torch.set_num_threads(1)
+        try:
+            x = yield self.embed_tokens.partial(input_ids)
+            residual = None
+            for layer in self.layers:
+                x, residual = yield from layer.stages(positions, x, residual, meta)
+            x, _ = self.norm(x, residual)
+            return x
+        finally:
+            if one:
+                torch.set_num_threads(threads)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
