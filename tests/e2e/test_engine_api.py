@@ -292,7 +292,9 @@ def test_decode_plans_stay_small(llm):
         if s.num_scheduled_tokens == 32 and s.step_id > 1:  # a pure decode step
             sizes.append(s.plan_bytes / 32)
     assert sizes, "expected decode steps with all 32 sequences"
-    assert max(sizes) <= 11, f"decode plan costs {max(sizes):.1f} bytes per sequence"
+    # Columns: an 8-byte id, a 4-byte count and a 4-byte block offset per sequence, plus
+    # the few new block ids a step adds; never the sequence's tokens or its whole table.
+    assert max(sizes) <= 24, f"decode plan costs {max(sizes):.1f} bytes per sequence"
     assert_no_blocks_held(llm)
 
 
