@@ -181,10 +181,10 @@ class EngineConfig:
         0, "CPU: torch threads per worker (0: the machine's cores divided among the "
            "workers on it).")
     cpu_single_thread_rows: int = _setting(
-        16, "CPU: forward passes of at most this many tokens (decode steps of a few "
-           "sequences) run on one torch thread even when cpu_threads is more: their GEMMs "
-           "are too small to gain from a second thread, and waiting for one that shares its "
-           "core with other work can cost a whole time slice. 0: never.")
+        0, "CPU: forward passes of at most this many tokens (decode steps of a few "
+           "sequences) run on one torch thread even when cpu_threads is more. Pays only "
+           "where other work crowds the worker's cores (a loaded machine); on quiet cores "
+           "two threads were faster even at one sequence. 0: never.")
     cpu_pin_workers: bool = _setting(
         False, "CPU: pin each worker to its own cores (local rank i to the i-th cpu_threads "
                "of the cores it may run on; skipped when there are too few), as vLLM pins its "
