@@ -180,11 +180,11 @@ class EngineConfig:
     cpu_threads: int = _setting(
         0, "CPU: torch threads per worker (0: the machine's cores divided among the "
            "workers on it).")
-    cpu_single_thread_rows: int = _setting(
-        0, "CPU: forward passes of at most this many tokens (decode steps of a few "
-           "sequences) run on one torch thread even when cpu_threads is more. Pays only "
-           "where other work crowds the worker's cores (a loaded machine); on quiet cores "
-           "two threads were faster even at one sequence. 0: never.")
+    cpu_thread_tuning: bool = _setting(
+        True, "CPU, tp=1: run each step on cpu_threads threads or on one, whichever its "
+              "size class measures faster now (on cores shared with other processes one "
+              "thread can be several times faster; on free cores more threads win). Outputs "
+              "are the same either way.")
     cpu_pin_workers: bool = _setting(
         False, "CPU: pin each worker to its own cores (local rank i to the i-th cpu_threads "
                "of the cores it may run on; skipped when there are too few), as vLLM pins its "
@@ -312,9 +312,6 @@ class EngineConfig:
                 "every rank needs at least one query head")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: automatic), got {self.cpu_threads}")
-        if not isinstance(self.cpu_single_thread_rows, int) or self.cpu_single_thread_rows < 0:
-            raise ValueError("cpu_single_thread_rows must be >= 0 (0: never), got "
-                             f"{self.cpu_single_thread_rows}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is None:

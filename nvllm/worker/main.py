@@ -41,6 +41,7 @@ from nvllm.worker.cpu_malloc import keep_freed_memory
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
+from nvllm.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger("nvllm.worker")
 
@@ -249,8 +250,9 @@ def run_worker(spec: dict) -> None:
         else:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
-        if device.type == "cpu":
-            runner.model.single_thread_rows = config.cpu_single_thread_rows
+        if device.type == "cpu" and world == 1 and config.cpu_thread_tuning \
+                and torch.get_num_threads() > 1:
+            runner.threads = ThreadTuner(torch.get_num_threads())
         result_sock.send(worker_protocol.encode(worker_protocol.WorkerReady(
             rank, "loaded", runner.available_kv_blocks(), *runner.load_stats)))
         reader = PlanReader(plan_sock, watch, rank, max_plan_bytes,

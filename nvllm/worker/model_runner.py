@@ -24,6 +24,7 @@ from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.sampler import Sampler, SampleRequest
 from nvllm.worker.structured_output import StructuredOutputState
+from nvllm.worker.thread_tuner import ThreadTuner
 
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amortized)
 # Prompt rows scored per lm_head call: bounds the float32 logits a long chunk would
@@ -85,6 +86,9 @@ class ModelRunner:
                                 and not config.enforce_eager)
         self.graph_batch_size = min(config.max_num_seqs, MAX_GRAPH_BATCH)
         self.graphs: CUDAGraphRunner | None = None
+        # CPU, tp=1: each step's torch thread count, by measurement (the worker sets it
+        # when cpu_thread_tuning is on and it has threads to choose from).
+        self.threads: ThreadTuner | None = None
         attn0 = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
 
@@ -213,6 +217,8 @@ class ModelRunner:
         if not step.num_seqs:
             return (worker_protocol.StepResult(plan.step_id, [], [], None, 0.0)
                     if self.tp.rank == 0 else None)
+        if self.threads is not None:
+            self.threads.begin(step.num_tokens)
         micro, graphed = self._prepare(step)
         if graphed:
             hidden = self.graphs.run(*micro[0])
@@ -243,6 +249,8 @@ class ModelRunner:
                  else torch.empty(len(sample_ids), dtype=torch.long, device=self.device))
             tokens = self.tp.broadcast_from_first(t).tolist()
         self.batch.append_sampled(sample_rows, np.asarray(tokens, np.int64))
+        if self.threads is not None:
+            self.threads.end()
         if self.tp.rank != 0:
             return None
         return worker_protocol.StepResult(plan.step_id, sample_ids, tokens,

@@ -104,35 +104,6 @@ def test_add_norm_in_place_gives_the_fused_values(backend, dtype):
         assert out is x and res is r
 
 
-def test_small_passes_run_on_one_thread_and_restore_the_count():
-    """LlamaForCausalLM.single_thread_rows: a pass of at most that many tokens runs on one
-    torch thread; the count is restored after it, and larger passes keep it."""
-    from nvllm.worker.models.llama import LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                      num_hidden_layers=0, num_attention_heads=2, num_key_value_heads=1)
-    model = LlamaForCausalLM(cfg, TPContext(), F32, 64)
-    seen = []
-
-    class Probe(torch.nn.Module):
-        def forward(self, x, residual=None):
-            seen.append(torch.get_num_threads())
-            return x, residual
-
-    model.norm = Probe()
-    model.single_thread_rows = 2
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for n in (1, 2, 3):
-            ids = torch.zeros(n, dtype=torch.long)
-            model.forward(ids, torch.arange(n), None)
-            assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-    assert seen == [1, 1, 2]
-
-
 def test_pin_to_cores(monkeypatch):
     """cpu_pin_workers: local rank i takes the i-th run of `threads` cores it may use, and
     nothing is pinned when there are too few."""

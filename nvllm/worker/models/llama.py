@@ -159,9 +159,6 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # Decode steps may be captured in CUDA graphs (no host syncs, shapes fixed by the batch).
     graph_safe = True
-    # CPU: passes of at most this many tokens run on one torch thread (0: as many as set);
-    # the worker sets it from EngineConfig.cpu_single_thread_rows.
-    single_thread_rows = 0
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -204,21 +201,12 @@ class LlamaForCausalLM(nn.Module):
         tensor-parallel all-reduce, is resumed with the reduced tensor, and returns the
         final hidden states. TPContext.run drives one pass, or two micro-batches so that
         one's all-reduce runs while the other computes."""
-        threads = torch.get_num_threads()
-        one = (threads > 1 and input_ids.numel() <= self.single_thread_rows
-               and input_ids.device.type == "cpu")
-        if one:
-            torch.set_num_threads(1)
-        try:
-            x = yield self.embed_tokens.partial(input_ids)
-            residual = None
-            for layer in self.layers:
-                x, residual = yield from layer.stages(positions, x, residual, meta)
-            x, _ = self.norm(x, residual)
-            return x
-        finally:
-            if one:
-                torch.set_num_threads(threads)
+        x = yield self.embed_tokens.partial(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = yield from layer.stages(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
