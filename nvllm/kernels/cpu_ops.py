@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 NAME = "nvllm_cpu_ops"
 CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
-           CSRC / "cpu_token_bitmask.cpp"]
+           CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp"]
 HEADERS = [CSRC / "bf16.h"]  # part of the build's key, not compiled on their own
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
@@ -169,6 +169,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     xgrammar's bitmask layout; logits float32 [B, V], bitmask int32 [B, ceil(V / 32)])."""
     torch.ops.nvllm_cpu.apply_token_bitmask(logits, bitmask,
                                             torch.tensor(rows, dtype=torch.long))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for float32 logits x [B, V] (rows contiguous), the same
+    indices (first maximum, NaN the largest) about 10x faster (csrc/cpu_argmax.cpp)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    torch.ops.nvllm_cpu.argmax_rows(out, x)
+    return out
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import xxhash
 
 from nvllm.common.sampling_params import GREEDY_BELOW
 from nvllm.common.worker_protocol import WorkerSampling
+from nvllm.kernels import cpu_ops
 from nvllm.worker.structured_output import apply_masks
 
 
@@ -79,6 +80,20 @@ def _filter(row: torch.Tensor, p: WorkerSampling) -> torch.Tensor:
         probs = row.softmax(-1)
         row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return row
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of [B, V] logits: the same indices, through the native CPU
+    op where it applies (torch's CPU argmax is a scalar loop: ~1 ms of a 64-sequence decode
+    step over a 16k vocabulary, ~0.1 ms native)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.stride(1) == 1 and x.shape[1] > 0 and cpu_ops.load()):
+        return cpu_ops.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
+def _argmax(row: torch.Tensor) -> int:
+    return int(argmax_rows(row[None])[0])
 
 
 def _generator(seed: int, position: int) -> torch.Generator:
@@ -156,7 +171,7 @@ class Sampler:
             x.index_put_((torch.tensor(r, dtype=torch.long, device=dev),
                           torch.tensor(c, dtype=torch.long, device=dev)),
                          torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
-        return x.argmax(dim=-1).tolist()
+        return argmax_rows(x).tolist()
 
     def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
         p = req.params
@@ -172,7 +187,7 @@ class Sampler:
                 row[ids] = kept
         row = _apply_penalties(row, req)
         if p.temperature < GREEDY_BELOW:
-            return int(torch.argmax(row))
+            return _argmax(row)
         probs = _filter(row / p.temperature, p).softmax(-1)
         if p.seed is None:
             q = torch.empty_like(probs).exponential_(generator=self._device_generator(row.device))
@@ -181,4 +196,4 @@ class Sampler:
             q = torch.empty(probs.shape, dtype=probs.dtype).exponential_(
                 generator=_generator(p.seed, n_out)).to(probs.device)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        return int(torch.argmax(probs / q))
+        return _argmax(probs / q)
