@@ -102,7 +102,9 @@ class LLMEngine:
             any_whitespace=config.json_any_whitespace)
         self.worker_grammars = WorkerGrammars(config.grammar_cache_mib << 20)
         # Plans in flight: with async scheduling one more than the step being applied.
-        self._depth = 1 if config.async_scheduling else 0
+        # Speculative decoding's leader-side proposer needs each step's token before it
+        # builds the next plan: synchronous steps then (nvllm/common/speculative.py).
+        self._depth = 1 if config.async_scheduling and config.speculative_config is None else 0
         self._inflight: collections.deque[InFlight] = collections.deque()
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
