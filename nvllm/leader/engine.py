@@ -37,6 +37,7 @@ from nvllm.leader.grammar import CompiledGrammar, GrammarService, WorkerGrammars
 from nvllm.leader.input_processor import InputProcessor
 from nvllm.leader.kv_cache_manager import KVCacheManager
 from nvllm.leader.metrics import EngineMetrics
+from nvllm.leader.ngram_proposer import NgramProposer
 from nvllm.leader.output_processor import EngineOutput, OutputProcessor
 from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
@@ -84,8 +85,11 @@ class LLMEngine:
             self.capacity_tokens / config.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.model_info.kv_window)
+        proposer = None
+        if config.speculative_config is not None:
+            proposer = NgramProposer(config.speculative_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.max_plan_bytes)
+                                   config.max_model_len, config.max_plan_bytes, proposer)
         self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
         self.input_processor = InputProcessor(config, tokenizer, self.capacity_tokens)
         self.plan_builder = PlanBuilder()
@@ -272,8 +276,8 @@ class LLMEngine:
             self.output_processor.add_prompt_logprobs(
                 {seq.seq_id: seq for seq, _ in step.sched.scheduled}, result.prompt_logprobs, out)
         updates = self.scheduler.update_from_output(step.sched, result)
-        for seq in self.output_processor.process(updates, out):
-            self.scheduler.finish(seq, "stop")  # a stop string ended it
+        for seq, num_tokens in self.output_processor.process(updates, out):
+            self.scheduler.finish(seq, "stop", num_tokens)  # a stop string ended it
         out.steps.append((first, len(out.deltas), step.step_id))
         self._inflight.popleft()
         self.last_step = StepStats(step.step_id, step.sched.num_batched_tokens,

@@ -135,17 +135,17 @@ def _bench() -> None:  # pragma: no cover - a measurement, quoted in the docstri
     from nvllm.common.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
+    reps = 50
     for num in (16, 64):
-        seqs = [Sequence(i, "r", rng.integers(0, 1000, 2048).tolist(), 1024,
-                         SamplingParams()) for i in range(num)]
+        toks = [rng.integers(0, 1000, 2048 + reps).tolist() for _ in range(num)]
+        # One Sequence per call (a token more each time), built outside the timing.
+        calls = [[Sequence(i, "r", toks[i][:2048 + r], 1024, SamplingParams())
+                  for i in range(num)] for r in range(reps + 1)]
         p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=5,
                                             prompt_lookup_min=2))
-        p.propose(seqs, 4)
+        p.propose(calls[0], 4)
         t0 = time.perf_counter()
-        reps = 50
-        for _ in range(reps):
-            for s in seqs:
-                s.token_ids.append(int(rng.integers(0, 1000)))
+        for seqs in calls[1:]:
             p.propose(seqs, 4)
         print(f"{num} sequences: {(time.perf_counter() - t0) / reps * 1e3:.2f} ms per call")
 

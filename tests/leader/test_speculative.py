@@ -1,0 +1,120 @@
+"""Speculative decoding on the leader, with fake workers that verify drafts greedily
+against their scripted model (tests/support/fake_workers.py): outputs equal speculation
+off token for token and text for text (stop strings, stop tokens, max_tokens inside an
+accepted run, n > 1, logprobs, preemption), drafts are proposed and (partly) accepted, and
+the KV accounting holds after every step (tests/support/kv_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+from kv_check import check_kv
+
+from nvllm.common.sampling_params import SamplingParams
+
+# Comparisons need the same plans; speculation forces synchronous steps anyway.
+pytestmark = pytest.mark.parametrize("scheduling", ["sync"])
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
+PASSAGE = ("The quick brown fox jumps over the lazy dog near the river bank while the "
+           "old farmer watches from his porch")
+TWIST = 7  # a prompt starting with this id gets a model that strays every 5th token
+
+
+def copy_model(sid, fs) -> int:
+    """Copies its prompt cyclically (from its 4th token), so n-gram drafts match; a
+    prompt marked TWIST strays every 5th token (drafts partly rejected)."""
+    prompt = fs.token_ids[:fs.num_prompt_tokens]
+    n_out = len(fs.token_ids) - fs.num_prompt_tokens
+    if prompt[0] == TWIST and n_out % 5 == 4:
+        return 300 + n_out
+    return prompt[(n_out + 3) % len(prompt)]
+
+
+def requests(tokenizer):
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    stop_tok = ids[12]
+    return [
+        (ids, SamplingParams(max_tokens=40)),
+        ([TWIST] + ids, SamplingParams(max_tokens=30)),
+        (ids[2:], SamplingParams(max_tokens=40, stop=["river"])),
+        (ids[1:], SamplingParams(max_tokens=40, stop_token_ids=[stop_tok])),
+        (ids[3:], SamplingParams(max_tokens=13, n=2, logprobs=2)),
+        (ids[:-2], SamplingParams(max_tokens=40, stop=["farmer"],
+                                  include_stop_str_in_output=True, min_tokens=25)),
+    ]
+
+
+def run(make_engine, tokenizer, **kw):
+    engine, workers = make_engine(copy_model, **kw)
+    for i, (prompt, params) in enumerate(requests(tokenizer)):
+        engine.submit(prompt_token_ids=prompt, params=params, request_id=f"r{i}")
+    finished = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        finished += out.finished
+        check_kv(engine, workers.slot_tokens)
+        steps += 1
+        assert steps < 1000
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    got = {r.request_id: [(c.token_ids, c.text, c.finish_reason, c.logprobs)
+                          for c in r.outputs] for r in finished}
+    return got, engine, workers, steps
+
+
+@pytest.mark.parametrize("blocks", [64, 30])  # 30 blocks of 4: preemption
+def test_outputs_equal_speculation_off(make_engine, tokenizer, blocks):
+    kw = dict(num_kv_blocks=blocks, max_num_batched_tokens=64)
+    base, e0, _, steps0 = run(make_engine, tokenizer, **kw)
+    got, e1, workers, steps1 = run(make_engine, tokenizer, speculative_config=SPEC, **kw)
+    assert got == base
+    st = e1.scheduler.spec_stats
+    assert st.num_drafts > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert sum(a for _, _, a in workers.accepted) == st.num_accepted_tokens
+    assert steps1 < steps0, "accepted drafts should save steps"
+    if blocks == 30:
+        assert e1.scheduler.num_preemptions > 0
+    # finish reasons exercised: stop string, stop token, length
+    reasons = {c[2] for outs in got.values() for c in outs}
+    assert reasons == {"stop", "length"}
+
+
+def test_drafts_never_pass_max_tokens_or_the_budget(make_engine, tokenizer):
+    engine, workers = make_engine(copy_model, speculative_config=SPEC,
+                                  max_num_batched_tokens=3, max_model_len=64)
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=9),
+                  request_id="a")
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_kv(engine, workers.slot_tokens)
+    for plan in workers.plans:
+        for r in plan.running:
+            assert len(r.spec_token_ids) <= 2  # budget 3: 1 + 2 drafts
+            if r.spec_token_ids:  # (prefill chunks are running rows too)
+                assert r.num_new_tokens == 1 + len(r.spec_token_ids)
+    # no position at or past the final token's is ever computed: the last one computed
+    # is the 9th output token's predecessor
+    assert len(workers.slot_tokens) == len(ids) + 8
+    assert engine.scheduler.spec_stats.num_drafts > 0
+
+
+def test_low_acceptance_stops_proposing(make_engine, tokenizer):
+    """A model that never follows its prompt: drafts get rejected, and after a few
+    verify steps the sequence stops proposing (retry_after_steps later it tries again)."""
+    def stray(sid, fs):
+        return 400 + len(fs.token_ids) % 3
+
+    spec = dict(SPEC, min_acceptance_rate=0.5, retry_after_steps=1000)
+    engine, workers = make_engine(stray, speculative_config=spec)
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=60),
+                  request_id="a")
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_kv(engine, workers.slot_tokens)
+    # the model's own output repeats (400, 401, 402): drafts from it are accepted, so
+    # count only how many verify steps there were: few, then paused
+    st = engine.scheduler.spec_stats
+    assert 0 < st.num_drafts < 60
