@@ -90,7 +90,9 @@ class LLMEngine:
             proposer = NgramProposer(config.speculative_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_plan_bytes, proposer)
-        self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
+        spec = config.speculative_config
+        self.metrics = EngineMetrics(config.model, config.log_stats_interval_s,
+                                     spec.num_speculative_tokens if spec is not None else 0)
         self.input_processor = InputProcessor(config, tokenizer, self.capacity_tokens)
         self.plan_builder = PlanBuilder()
         self.output_processor = OutputProcessor(tokenizer, self.metrics)
@@ -114,6 +116,7 @@ class LLMEngine:
         self.last_step = StepStats()
         self.reset_step_totals()
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
+        self._spec_seen = (0, 0, 0, [])  # drafts, draft tokens, accepted, per position
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -313,6 +316,15 @@ class LLMEngine:
         m = self.metrics
         m.record_step(prompt_tokens=prompt_tokens, generation_tokens=num_sampled,
                       preemptions=pre - p0, queries=queries - q0, hits=hits - h0)
+        sp = self.scheduler.spec_stats
+        if sp.num_drafts != self._spec_seen[0]:
+            d0, t0, a0, pp0 = self._spec_seen
+            pp0 = pp0 or [0] * len(sp.accepted_per_pos)
+            m.record_spec(sp.num_drafts - d0, sp.num_draft_tokens - t0,
+                          sp.num_accepted_tokens - a0,
+                          [x - y for x, y in zip(sp.accepted_per_pos, pp0)])
+            self._spec_seen = (sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
+                               list(sp.accepted_per_pos))
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         m.set_state(running, waiting, self.kv.usage)
         m.maybe_log(running, waiting, self.kv.usage)

@@ -7,6 +7,7 @@ the KV accounting holds after every step (tests/support/kv_check.py)."""
 from __future__ import annotations
 
 import pytest
+from fake_workers import metric
 from kv_check import check_kv
 
 from nvllm.common.sampling_params import SamplingParams
@@ -72,6 +73,14 @@ def test_outputs_equal_speculation_off(make_engine, tokenizer, blocks):
     st = e1.scheduler.spec_stats
     assert st.num_drafts > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
     assert sum(a for _, _, a in workers.accepted) == st.num_accepted_tokens
+    # vLLM's counters under nvllm:
+    assert metric(e1, "nvllm:spec_decode_num_drafts_total") == st.num_drafts
+    assert metric(e1, "nvllm:spec_decode_num_draft_tokens_total") == st.num_draft_tokens
+    assert metric(e1, "nvllm:spec_decode_num_accepted_tokens_total") == st.num_accepted_tokens
+    per_pos = [metric(e1, "nvllm:spec_decode_num_accepted_tokens_per_pos_total",
+                      position=str(j)) for j in range(4)]
+    assert per_pos == st.accepted_per_pos and sum(per_pos) == st.num_accepted_tokens
+    assert per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0
     assert steps1 < steps0, "accepted drafts should save steps"
     if blocks == 30:
         assert e1.scheduler.num_preemptions > 0
