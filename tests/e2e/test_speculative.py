@@ -160,19 +160,21 @@ def test_greedy_equal_with_speculation(tiny, tp):
 
 
 def test_seeded_sampling_reproducible_with_speculation(tiny):
+    """Seeded sampled requests verify drafts by rejection sampling with generators keyed
+    by (seed, position): the same request gives the same tokens again, alone or in a
+    different batch."""
     model = tiny("llama")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok(PASSAGE * 2).input_ids] * 2
+    prompts = [tok(PASSAGE * 2).input_ids] * 3
     params = [SamplingParams(temperature=0.8, top_k=50, seed=7 + i, max_tokens=24)
-              for i in range(2)]
+              for i in range(3)]
     spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    got = []
-    for _ in range(2):
-        with LLM(model, device="cpu", dtype="float32", block_size=8,
-                 speculative_config=spec) as llm:
-            got.append(generate(llm, prompts, params))
-            assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
-    assert got[0] == got[1]
-    assert got[0][0][0][0] != got[0][1][0][0]
+    with LLM(model, device="cpu", dtype="float32", block_size=8,
+             speculative_config=spec) as llm:
+        first = generate(llm, prompts, params)
+        again = generate(llm, prompts[1:2], params[1:2])
+        assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+    assert again[0] == first[1]
+    assert first[0][0][0] != first[1][0][0]

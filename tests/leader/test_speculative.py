@@ -127,3 +127,61 @@ def test_low_acceptance_stops_proposing(make_engine, tokenizer):
     # count only how many verify steps there were: few, then paused
     st = engine.scheduler.spec_stats
     assert 0 < st.num_drafts < 60
+
+
+def test_restart_and_replay_with_speculation(tiny, tokenizer, scheduling):
+    """A worker group dies on a plan that verifies drafts: the restarted group recomputes
+    every sequence, and the outputs equal those of an uninterrupted run."""
+    from fake_workers import FakeWorkers
+
+    from nvllm.common.config import EngineConfig
+    from nvllm.leader.engine import LLMEngine
+    from nvllm.leader.executor import Executor
+
+    def make(die: bool):
+        groups = []
+
+        def start():
+            w = FakeWorkers(copy_model)
+            if die and not groups:  # the first group dies on its 3rd verify plan
+                n = [0]
+
+                def die_on(plan):
+                    n[0] += any(r.spec_token_ids for r in plan.running)
+                    return n[0] >= 3
+                w.die_on = die_on
+            groups.append(w)
+            return w
+
+        config = EngineConfig(tiny("qwen3"), device="cpu", block_size=4, num_kv_blocks=64,
+                              log_stats_interval_s=3600.0, restart_workers=True,
+                              speculative_config=SPEC).finalize()
+        return LLMEngine(config, Executor(config, start), tokenizer), groups
+
+    got = []
+    for die in (False, True):
+        engine, groups = make(die)
+        for i, (prompt, params) in enumerate(requests(tokenizer)):
+            engine.submit(prompt_token_ids=prompt, params=params, request_id=f"r{i}")
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += engine.step().finished
+            check_kv(engine, groups[-1].slot_tokens)
+        assert len(groups) == (2 if die else 1)
+        got.append(sorted((r.request_id, [(c.token_ids, c.text, c.finish_reason)
+                                          for c in r.outputs]) for r in finished))
+        engine.shutdown()
+    assert got[0] == got[1]
+
+
+def test_the_log_line_gives_the_mean_accepted_length(make_engine, tokenizer, caplog):
+    import logging
+
+    engine, _ = make_engine(copy_model, speculative_config=SPEC, log_stats_interval_s=0.0)
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=30), request_id="a")
+    with caplog.at_level(logging.INFO, logger="nvllm.leader.stats"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert any("Speculative decoding: mean accepted length" in r.getMessage()
+               for r in caplog.records)
