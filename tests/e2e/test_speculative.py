@@ -178,3 +178,65 @@ def test_seeded_sampling_reproducible_with_speculation(tiny):
         assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
     assert again[0] == first[1]
     assert first[0][0][0] != first[1][0][0]
+
+
+class ForcedDraft:
+    """Proposes one fixed draft token for every decoding sequence (or nothing when off)."""
+
+    def __init__(self, token: int | None) -> None:
+        self.token = token
+        self.config = SpeculativeConfig(num_speculative_tokens=1)
+        self.k = 1
+
+    def eligible(self, seq) -> bool:
+        return True
+
+    def propose(self, seqs, k):
+        if self.token is None:
+            return {}
+        return {s.seq_id: np.asarray([self.token], np.int64) for s in seqs}
+
+    def observe(self, seq_id, num_drafted, num_accepted) -> None:
+        pass
+
+    def drop(self, seq_id) -> None:
+        pass
+
+
+# Two-sample chi-square (homogeneity of a 2 x 4 table, 3 degrees of freedom) at
+# significance 1e-4. Seeds are fixed (each request's draws come from generators keyed by
+# (seed, position)), so the statistic is the same every run: derandomised. That a wrong
+# acceptance rule fails the same kind of test is shown on the sampler's own draws
+# (tests/worker/test_rejection_sampler.py::test_draws_under_a_wrong_rule_fail_the_chi_square).
+CHI2_CRIT_3 = 21.11
+N_SEEDS = 1200
+
+
+def test_sampled_tokens_keep_their_distribution_under_speculation(tiny):
+    """The second output token (the first position a draft is verified at; the first
+    comes from the prefill) over N_SEEDS seeded requests, with a draft forced at it, has
+    the same distribution as without speculation. logit_bias confines each position to
+    four tokens, so the draft is accepted often and rejected often."""
+    toks = [11, 12, 13, 14]
+    params = [SamplingParams(temperature=4.0, seed=s, max_tokens=3,
+                             logit_bias={t: 100.0 for t in toks}) for s in range(N_SEEDS)]
+    prompts = [{"prompt_token_ids": [100, 200, 300]}] * N_SEEDS
+    counts = []
+    with LLM(tiny("qwen3"), device="cpu", dtype="float32", block_size=8,
+             speculative_config={"num_speculative_tokens": 1}, max_num_seqs=512) as llm:
+        for draft in (None, toks[1]):
+            llm.engine.scheduler.proposer = ForcedDraft(draft)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            c = np.zeros(4)
+            for o in outs:
+                c[toks.index(o.outputs[0].token_ids[1])] += 1
+            counts.append(c)
+        st = llm.engine.scheduler.spec_stats
+    assert st.num_draft_tokens == N_SEEDS
+    assert 0.2 < st.num_accepted_tokens / N_SEEDS < 0.95  # accepted and rejected, often
+    table = np.array(counts)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    keep = expected > 0
+    chi2 = float(((table - expected)[keep] ** 2 / expected[keep]).sum())
+    assert chi2 < CHI2_CRIT_3, (table, chi2)
+    assert (table[1] != table[0]).any()  # the draws did change: the draft path ran
