@@ -21,12 +21,15 @@ themselves from rank 0's proposals before the verify forward (the wire and the b
 state already carry drafts per running sequence, ``RunningSeqs.spec_token_ids``).
 
 Async scheduling. The n-gram proposer on the leader needs each sequence's latest token,
-which under async scheduling is still in flight when the next plan is built; so while
-speculation is configured the engine runs synchronously (depth 0), exactly as vLLM does for
-its CPU n-gram proposer. That costs the leader/worker overlap (the leader's per-step work
-is then on the critical path); it pays where acceptance is high (copy-heavy outputs),
-and the adaptive knobs below switch speculation off where it does not. Proposing on
-rank 0 (which has the token) would keep async scheduling: a later option.
+which under async scheduling is still in flight when the next plan is built; so while any
+running sequence may propose, the engine runs synchronously (depth 0), as vLLM does for
+its CPU n-gram proposer, and a plan with drafts is never left in flight. That costs the
+leader/worker overlap (the leader's per-step work is then on the critical path): on the
+2-core bench (scripts/bench_spec.py, SmolLM2-135M) synchronous steps alone cost ~5% at
+concurrency 16. Where nothing may propose (every sequence paused for low acceptance, or
+more sequences running than ``disable_by_batch_size``), the engine goes back to async
+scheduling (``async_scheduling`` permitting): ``Scheduler.speculating``. Proposing on rank
+0 (which has the token) would keep async scheduling always: a later option.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ class SpeculativeConfig:
     # A sequence whose acceptance rate (an exponential moving average over its verify
     # steps, weight 0.3 on the newest) falls below this stops proposing ...
     min_acceptance_rate: float = 0.2
-    # ... for this many of its steps, then tries again (0: never again).
-    retry_after_steps: int = 32
+    # ... until it has generated this many more tokens, then tries again (0: never again).
+    retry_after_tokens: int = 32
     # How many of a sequence's most recent tokens the n-gram lookup scans per step (its
     # cost per sequence is bounded by this, whatever the context length).
     lookup_window: int = 1024
@@ -138,8 +141,8 @@ class SpeculativeConfig:
         r = self.min_acceptance_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
             raise bad("min_acceptance_rate", "a number in 0..1")
-        if not is_int(self.retry_after_steps) or self.retry_after_steps < 0:
-            raise bad("retry_after_steps", "an integer >= 0")
+        if not is_int(self.retry_after_tokens) or self.retry_after_tokens < 0:
+            raise bad("retry_after_tokens", "an integer >= 0")
         w = self.lookup_window
         if not is_int(w) or not hi + 1 <= w <= 1 << 20:
             raise bad("lookup_window", f"an integer in {hi + 1}..{1 << 20}")

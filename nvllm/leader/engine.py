@@ -109,8 +109,9 @@ class LLMEngine:
         self.worker_grammars = WorkerGrammars(config.grammar_cache_mib << 20)
         # Plans in flight: with async scheduling one more than the step being applied.
         # Speculative decoding's leader-side proposer needs each step's token before it
-        # builds the next plan: synchronous steps then (nvllm/common/speculative.py).
-        self._depth = 1 if config.async_scheduling and config.speculative_config is None else 0
+        # builds the next plan: steps that may propose run synchronously (step();
+        # nvllm/common/speculative.py).
+        self._depth = 1 if config.async_scheduling else 0
         self._inflight: collections.deque[InFlight] = collections.deque()
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
@@ -220,9 +221,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self._expire()
         try:
-            keep = self._depth  # an interrupted step owes results: take those first
-            if len(self._inflight) <= self._depth:
-                sched = self.scheduler.schedule()
+            # Speculative decoding: a step that may propose drafts runs synchronously, and
+            # no plan is sent while one with drafts is in flight (the workers' count of a
+            # verifying sequence's tokens is known only once its result is).
+            speculate = self.scheduler.speculating()
+            depth = 0 if speculate or any(f.sched.spec_tokens for f in self._inflight) \
+                else self._depth
+            keep = depth  # an interrupted step owes results: take those first
+            if len(self._inflight) <= depth:
+                sched = self.scheduler.schedule(speculate)
                 if sched.scheduled or (self.scheduler.finished_seq_ids and not self._inflight):
                     # (No sequences but drops: the workers free those sequences' state,
                     # their CPU K/V copies included, now rather than at the next request.)
@@ -231,7 +238,7 @@ class LLMEngine:
                     if self.scheduler.num_unfinished and not out.deltas and not sched.preempted:
                         raise RuntimeError("scheduler made no progress with requests pending")
                     return out
-                keep = self._depth if sched.scheduled else 0  # nothing new: drain
+                keep = depth if sched.scheduled else 0  # nothing new: drain
             while len(self._inflight) > keep:
                 self._apply_oldest_result(out, cancelled)
         except EngineDeadError as e:

@@ -18,8 +18,9 @@ contexts of random tokens from a 1k vocabulary, window 1024, k 4, n 5..2): one
 against a decode step of tens of ms on CPU.
 
 Adaptive state (per sequence, here, not on the ``Sequence``): an exponential moving average
-of the acceptance rate; under ``min_acceptance_rate`` the sequence stops proposing for
-``retry_after_steps`` of its steps (``observe``, ``eligible``).
+of the acceptance rate; under ``min_acceptance_rate`` the sequence stops proposing until it
+has generated ``retry_after_tokens`` more tokens (``observe``, ``eligible``: a function of
+its length, so a paused sequence resumes whether or not anyone asks meanwhile).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ class _SeqState:
     tokens: np.ndarray  # capacity-sized; the first n are the sequence's tokens
     n: int = 0
     acceptance: float = 1.0  # EMA of accepted / drafted
-    paused_until: int = 0  # its step count at which it may propose again
-    steps: int = 0  # verify steps and paused steps seen
+    paused_until: int = 0  # its length (tokens) from which it may propose again
 
 
 def propose_ngram(tokens: np.ndarray, k: int, nmin: int, nmax: int) -> np.ndarray:
@@ -92,12 +92,10 @@ class NgramProposer:
         return st
 
     def eligible(self, seq: Sequence) -> bool:
-        """Whether the sequence may propose this step (not paused for low acceptance)."""
+        """Whether the sequence may propose (not paused for low acceptance); no side
+        effects."""
         st = self._seqs.get(seq.seq_id)
-        if st is None or st.paused_until <= st.steps:
-            return True
-        st.steps += 1  # a paused step counts toward its retry
-        return False
+        return st is None or seq.num_tokens >= st.paused_until
 
     def propose(self, seqs: list[Sequence], k: int) -> dict[int, np.ndarray]:
         """Draft tokens (up to k) per sequence id, for those with a match."""
@@ -112,17 +110,18 @@ class NgramProposer:
                 out[seq.seq_id] = d.copy()
         return out
 
-    def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """One verify step's outcome for a sequence: update its acceptance average and
-        pause it below the threshold."""
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int,
+                num_tokens: int = 0) -> None:
+        """One verify step's outcome for a sequence (`num_tokens`: its length after it):
+        update its acceptance average and pause it below the threshold."""
         st = self._seqs.get(seq_id)
         if st is None or num_drafted <= 0:
             return
-        st.steps += 1
         st.acceptance += EMA_WEIGHT * (num_accepted / num_drafted - st.acceptance)
         c = self.config
         if st.acceptance < c.min_acceptance_rate:
-            st.paused_until = st.steps + c.retry_after_steps if c.retry_after_steps else 1 << 62
+            st.paused_until = (num_tokens + c.retry_after_tokens if c.retry_after_tokens
+                               else 1 << 62)
             st.acceptance = c.min_acceptance_rate  # a retry starts at the threshold
 
     def drop(self, seq_id: int) -> None:

@@ -131,16 +131,18 @@ class Scheduler:
         ids, self.finished_seq_ids = self.finished_seq_ids, []
         return ids
 
-    def schedule(self) -> SchedulerOutput:
-        out = self._schedule()
+    def schedule(self, propose: bool = True) -> SchedulerOutput:
+        """The next step; `propose`: speculative drafts allowed (the engine passes
+        ``speculating()``, which also made this step synchronous)."""
+        out = self._schedule(propose)
         self._update_after_schedule(out)
         return out
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, propose: bool) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        drafts = self._propose()
+        drafts = self._propose() if propose else {}
 
         # 1. Running sequences: decodes and continuing prefill chunks.
         i = 0
@@ -269,6 +271,14 @@ class Scheduler:
                 self.kv.cache_computed_blocks(seq)
         return updates
 
+    def speculating(self) -> bool:
+        """Whether a running sequence may propose drafts now (a proposer, k > 0 at this
+        batch size, one not paused for low acceptance): the engine then runs this step
+        synchronously."""
+        p = self.proposer
+        return (p is not None and p.config.k_for(len(self.running)) > 0
+                and any(p.eligible(s) for s in self.running))
+
     def _propose(self) -> dict[int, np.ndarray]:
         """Draft tokens for the running sequences that are decoding (one known token left
         to compute, none in flight), by the proposer's adaptive rules."""
@@ -290,7 +300,8 @@ class Scheduler:
         st.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             st.accepted_per_pos[j] += 1
-        self.proposer.observe(seq.seq_id, num_drafts, num_accepted)
+        self.proposer.observe(seq.seq_id, num_drafts, num_accepted,
+                              seq.num_tokens + num_accepted + 1)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -27,7 +27,7 @@ def test_defaults_as_vllm():
     ({"disable_by_batch_size": 0}, r"disable_by_batch_size must be an integer >= 1"),
     ({"full_k_batch_size": 0}, r"full_k_batch_size must be an integer >= 1"),
     ({"min_acceptance_rate": 1.5}, r"min_acceptance_rate must be a number in 0\.\.1"),
-    ({"retry_after_steps": -1}, r"retry_after_steps must be an integer >= 0"),
+    ({"retry_after_tokens": -1}, r"retry_after_tokens must be an integer >= 0"),
     ({"lookup_window": 3}, r"lookup_window must be an integer in 6\.\."),
     ({"method": "eagle"}, r"method must be one of \['ngram', 'draft_model'\]"),
     ({"bogus": 1}, r"unknown key\(s\) \['bogus'\]"),

@@ -60,7 +60,7 @@ class OracleProposer:
                 out[s.seq_id] = np.asarray(d, np.int64)
         return out
 
-    def observe(self, seq_id, num_drafted, num_accepted) -> None:
+    def observe(self, seq_id, num_drafted, num_accepted, num_tokens=0) -> None:
         pass
 
     def drop(self, seq_id) -> None:
@@ -142,7 +142,7 @@ def test_greedy_equal_with_speculation(tiny, tp):
             refs.setdefault(tuple(p), [o[0] for o in outs])
     spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     with LLM(model, speculative_config=spec, **kw) as llm:
-        assert llm.engine._depth == 0
+        assert llm.engine._depth == 1  # async where nothing may propose
         got = generate(llm, prompts, params)  # the n-gram proposer (mostly rejected)
         same(got, base)
         ngram = llm.engine.scheduler.spec_stats.num_draft_tokens
@@ -196,7 +196,7 @@ class ForcedDraft:
             return {}
         return {s.seq_id: np.asarray([self.token], np.int64) for s in seqs}
 
-    def observe(self, seq_id, num_drafted, num_accepted) -> None:
+    def observe(self, seq_id, num_drafted, num_accepted, num_tokens=0) -> None:
         pass
 
     def drop(self, seq_id) -> None:

@@ -75,17 +75,18 @@ def test_proposer_window_budget_and_incremental_tokens():
 
 def test_low_acceptance_pauses_then_retries():
     c = SpeculativeConfig(num_speculative_tokens=2, min_acceptance_rate=0.5,
-                          retry_after_steps=3)
+                          retry_after_tokens=3)
     p = NgramProposer(c)
     s = seq(0, [1, 2, 3, 1, 2])
     p.propose([s], 2)
-    p.observe(0, 2, 2)
+    p.observe(0, 2, 2, s.num_tokens)
     assert p.eligible(s)
     for _ in range(3):
-        p.observe(0, 2, 0)
+        p.observe(0, 2, 0, s.num_tokens)
+    assert not p.eligible(s) and not p.eligible(s)  # no side effects
+    s.token_ids += [7, 8]
     assert not p.eligible(s)
-    assert not p.eligible(s)
-    assert not p.eligible(s)
-    assert p.eligible(s)  # three paused steps later it tries again
+    s.token_ids += [9]
+    assert p.eligible(s)  # three tokens later it tries again
     p.drop(0)
     assert p.eligible(s)
