@@ -199,8 +199,9 @@ class EngineConfig:
         None, "Speculative decoding, as vLLM's speculative_config: a map (LLM) or its JSON "
               "(the flag), e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}. Keys and defaults: "
-              "nvllm/common/speculative.py. While on, the engine schedules synchronously "
-              "(no async scheduling), as vLLM does for its n-gram proposer.", json=True)
+              "nvllm/common/speculative.py. Steps in which a sequence may propose drafts "
+              "run synchronously (no async scheduling), as vLLM does for its n-gram "
+              "proposer.", json=True)
     enable_expert_parallel: bool = _setting(
         False, "MoE models: each rank holds whole experts (contiguous ranges, uneven when "
                "tensor_parallel_size does not divide their number) instead of a share "
