@@ -195,6 +195,13 @@ class EngineConfig:
     async_scheduling: bool = _setting(
         True, "Send step N+1's plan before applying step N's result, so the leader's work "
               "overlaps the workers' (outputs are identical either way).")
+    speculative_config: Any = _setting(
+        None, "Speculative decoding, as vLLM's speculative_config: a map (LLM) or its JSON "
+              "(the flag), e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}. Keys and defaults: "
+              "nvllm/common/speculative.py. Steps in which a sequence may propose drafts "
+              "run synchronously (no async scheduling), as vLLM does for its n-gram "
+              "proposer.", json=True)
     enable_expert_parallel: bool = _setting(
         False, "MoE models: each rank holds whole experts (contiguous ranges, uneven when "
                "tensor_parallel_size does not divide their number) instead of a share "
@@ -345,6 +352,10 @@ class EngineConfig:
                 f"attention_backend must be auto, torch, triton or cpu, got "
                 f"{self.attention_backend!r}"
             )
+        if self.speculative_config is not None:
+            from nvllm.common.speculative import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -36,7 +36,8 @@ _NEW = (("seq_ids", ID_DTYPE), ("num_prompt_tokens", INT_DTYPE),
         ("token_ids", INT_DTYPE), ("token_offsets", INT_DTYPE), ("block_ids", INT_DTYPE),
         ("block_offsets", INT_DTYPE))
 _RUN = (("seq_ids", ID_DTYPE), ("num_new_tokens", INT_DTYPE), ("new_block_ids", INT_DTYPE),
-        ("new_block_offsets", INT_DTYPE))
+        ("new_block_offsets", INT_DTYPE), ("spec_token_ids", INT_DTYPE),
+        ("spec_offsets", INT_DTYPE))
 COLUMNS = tuple(("new_cols", f, dt) for f, dt in _NEW) + tuple(
     ("running_cols", f, dt) for f, dt in _RUN)
 NUM_ARRAYS = len(COLUMNS)
@@ -93,6 +94,8 @@ class PlanColumns:
     run_num_new: np.ndarray
     run_blocks: np.ndarray  # CSR with run_block_offsets
     run_block_offsets: np.ndarray
+    run_spec: np.ndarray  # draft tokens, CSR with run_spec_offsets (n + 1 always)
+    run_spec_offsets: np.ndarray
 
 
 def _array(col: Column, dt: np.dtype, reader: ArrayReader | None, what: str) -> np.ndarray:
@@ -132,4 +135,7 @@ def columns(plan: worker_protocol.StepPlan, reader: ArrayReader | None) -> PlanC
     _check_csr(c.new_token_offsets, n, c.new_tokens, "token ids")
     _check_csr(c.new_block_offsets, n, c.new_blocks, "block tables")
     _check_csr(c.run_block_offsets, r, c.run_blocks, "new blocks")
+    if len(c.run_spec_offsets) == 1 and not len(c.run_spec):  # no drafts (or an old frame)
+        c.run_spec_offsets = np.zeros(r + 1, INT_DTYPE)
+    _check_csr(c.run_spec_offsets, r, c.run_spec, "draft tokens")
     return c

@@ -103,12 +103,20 @@ class RunningSeqs(Struct, array_like=True, forbid_unknown_fields=True):
     """Deltas for sequences the workers hold, as columns of n entries: ids (int64), tokens
     to compute (int32), blocks appended to the table since the last plan (CSR). No token
     ids: every rank appends the tokens the group samples itself (rank 0 broadcasts them),
-    so a plan can be sent before the leader has seen the previous step's tokens."""
+    so a plan can be sent before the leader has seen the previous step's tokens.
+
+    Speculative decoding: a running sequence may carry draft tokens (CSR
+    ``spec_token_ids``/``spec_offsets``; absent or ``[0]`` offsets: none anywhere). The
+    workers place them after its known tokens without counting them as known; its
+    ``num_new_tokens`` is then 1 + its drafts (the last known token and every draft are
+    computed), and rank 0 verifies them from the logits of all those positions."""
 
     seq_ids: Column = b""
     num_new_tokens: Column = b""
     new_block_ids: Column = b""
     new_block_offsets: Column = EMPTY_OFFSETS
+    spec_token_ids: Column = b""
+    spec_offsets: Column = EMPTY_OFFSETS
 
 
 class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
@@ -117,8 +125,8 @@ class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
     preempted; a plain list: few per step).
 
     Later features add a column, not a reshaping: speculative tokens to verify per
-    running sequence become a CSR pair in RunningSeqs (``spec_token_ids``,
-    ``spec_offsets``), tokens to roll back a per-sequence int32 column there
+    running sequence are a CSR pair in RunningSeqs (``spec_token_ids``,
+    ``spec_offsets``); tokens to roll back a per-sequence int32 column there
     (``num_rollback``), and a weight version one int field of StepPlan; each goes last
     with a default, so frames without it still decode.
     """
@@ -137,6 +145,8 @@ class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
         tok, tok_off = csr([s.token_ids for s in new_seqs])
         blk, blk_off = csr([s.block_table for s in new_seqs])
         rblk, rblk_off = csr([r.new_block_ids for r in running])
+        spec, spec_off = (csr([r.spec_token_ids for r in running])
+                          if any(r.spec_token_ids for r in running) else (b"", EMPTY_OFFSETS))
         return cls(step_id, NewSeqs(
             column([s.seq_id for s in new_seqs], ID_DTYPE),
             column([s.num_prompt_tokens for s in new_seqs], INT_DTYPE),
@@ -145,7 +155,7 @@ class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
             tok, tok_off, blk, blk_off, [s.sampling for s in new_seqs]),
             RunningSeqs(column([r.seq_id for r in running], ID_DTYPE),
                         column([r.num_new_tokens for r in running], INT_DTYPE), rblk,
-                        rblk_off), list(finished_ids))
+                        rblk_off, spec, spec_off), list(finished_ids))
 
     @property
     def new_seqs(self) -> list[NewSeq]:
@@ -162,8 +172,12 @@ class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
     def running(self) -> list[RunningSeq]:
         """The running sequences as records (inline plans only; for tests and logs)."""
         r = self.running_cols
-        return [RunningSeq(*t) for t in zip(_ints(r.seq_ids, ID_DTYPE), _ints(r.num_new_tokens),
-                                            _split(r.new_block_ids, r.new_block_offsets))]
+        ids = _ints(r.seq_ids, ID_DTYPE)
+        spec = (_split(r.spec_token_ids, r.spec_offsets) if len(_ints(r.spec_offsets)) > 1
+                else [[] for _ in ids])
+        return [RunningSeq(*t) for t in zip(ids, _ints(r.num_new_tokens),
+                                            _split(r.new_block_ids, r.new_block_offsets),
+                                            spec)]
 
 
 def _ints(col: Column, dtype: np.dtype = INT_DTYPE) -> list[int]:
@@ -197,6 +211,7 @@ class RunningSeq:
     seq_id: int
     num_new_tokens: int
     new_block_ids: list[int]  # blocks appended to the block table since the last plan
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
 
 
 class InitKVCache(Struct, array_like=True, forbid_unknown_fields=True, tag=2):
@@ -234,17 +249,34 @@ class WorkerReady(Struct, array_like=True, forbid_unknown_fields=True, tag=10):
 
 
 class StepResult(Struct, array_like=True, forbid_unknown_fields=True, tag=11):
+    """Rank 0's answer to a plan. A sequence that verified drafts emits several tokens
+    (its accepted drafts, then the target's own): ``token_ids`` is flat, ``num_tokens``
+    says how many each of ``seq_ids`` has (None: one each), and ``logprobs`` has one entry
+    per token."""
+
     step_id: NonNeg
     seq_ids: list[NonNeg]  # sequences that sampled a token this step
     token_ids: list[NonNeg]
-    # Per sampled sequence when asked: [logprob of the token, [[id, logprob], ...]]
+    # Per token when asked: [logprob of the token, [[id, logprob], ...]]
     logprobs: list | None
     worker_time_s: float
     # Per sequence that scored prompt positions this step (its chunk's):
     # [seq_id, first, [[logprob, [[id, logprob], ...]], ...]], entry j scoring prompt token
     # first + j (>= 1) given the tokens before it. None: no sequence asked.
     prompt_logprobs: list | None = None
+    num_tokens: list[NonNeg] | None = None
     KIND: ClassVar[int] = 11
+
+    def per_seq(self) -> dict[int, tuple[list[int], list | None]]:
+        """seq id -> (its tokens, their logprobs entries or None)."""
+        counts = self.num_tokens or [1] * len(self.seq_ids)
+        out, pos = {}, 0
+        lps = self.logprobs
+        for sid, n in zip(self.seq_ids, counts):
+            out[sid] = (self.token_ids[pos:pos + n],
+                        None if lps is None else lps[pos:pos + n])
+            pos += n
+        return out
 
 
 class WorkerError(Struct, array_like=True, forbid_unknown_fields=True, tag=12):

@@ -61,7 +61,7 @@ def field_option(f: dataclasses.Field, hints: Mapping[str, Any],
     names = list(meta.get("flags", ()))
     if own not in names:
         names.append(own)
-    kind = _value_type(hints[f.name])
+    kind = str if meta.get("json") else _value_type(hints[f.name])  # JSON: parsed later
     kw: dict[str, Any] = {"default": f.default, "help": help or meta["help"],
                           "show_default": True}
     if kind is bool:

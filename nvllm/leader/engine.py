@@ -37,6 +37,7 @@ from nvllm.leader.grammar import CompiledGrammar, GrammarService, WorkerGrammars
 from nvllm.leader.input_processor import InputProcessor
 from nvllm.leader.kv_cache_manager import KVCacheManager
 from nvllm.leader.metrics import EngineMetrics
+from nvllm.leader.ngram_proposer import NgramProposer
 from nvllm.leader.output_processor import EngineOutput, OutputProcessor
 from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
@@ -84,9 +85,14 @@ class LLMEngine:
             self.capacity_tokens / config.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.model_info.kv_window)
+        proposer = None
+        if config.speculative_config is not None:
+            proposer = NgramProposer(config.speculative_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.max_plan_bytes)
-        self.metrics = EngineMetrics(config.model, config.log_stats_interval_s)
+                                   config.max_model_len, config.max_plan_bytes, proposer)
+        spec = config.speculative_config
+        self.metrics = EngineMetrics(config.model, config.log_stats_interval_s,
+                                     spec.num_speculative_tokens if spec is not None else 0)
         self.input_processor = InputProcessor(config, tokenizer, self.capacity_tokens)
         self.plan_builder = PlanBuilder()
         self.output_processor = OutputProcessor(tokenizer, self.metrics)
@@ -102,12 +108,16 @@ class LLMEngine:
             any_whitespace=config.json_any_whitespace)
         self.worker_grammars = WorkerGrammars(config.grammar_cache_mib << 20)
         # Plans in flight: with async scheduling one more than the step being applied.
+        # Speculative decoding's leader-side proposer needs each step's token before it
+        # builds the next plan: steps that may propose run synchronously (step();
+        # nvllm/common/speculative.py).
         self._depth = 1 if config.async_scheduling else 0
         self._inflight: collections.deque[InFlight] = collections.deque()
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.last_step = StepStats()
         self.reset_step_totals()
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
+        self._spec_seen = (0, 0, 0, [])  # drafts, draft tokens, accepted, per position
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -211,9 +221,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self._expire()
         try:
-            keep = self._depth  # an interrupted step owes results: take those first
-            if len(self._inflight) <= self._depth:
-                sched = self.scheduler.schedule()
+            # Speculative decoding: a step that may propose drafts runs synchronously, and
+            # no plan is sent while one with drafts is in flight (the workers' count of a
+            # verifying sequence's tokens is known only once its result is).
+            speculate = self.scheduler.speculating()
+            depth = 0 if speculate or any(f.sched.spec_tokens for f in self._inflight) \
+                else self._depth
+            keep = depth  # an interrupted step owes results: take those first
+            if len(self._inflight) <= depth:
+                sched = self.scheduler.schedule(speculate)
                 if sched.scheduled or (self.scheduler.finished_seq_ids and not self._inflight):
                     # (No sequences but drops: the workers free those sequences' state,
                     # their CPU K/V copies included, now rather than at the next request.)
@@ -222,7 +238,7 @@ class LLMEngine:
                     if self.scheduler.num_unfinished and not out.deltas and not sched.preempted:
                         raise RuntimeError("scheduler made no progress with requests pending")
                     return out
-                keep = self._depth if sched.scheduled else 0  # nothing new: drain
+                keep = depth if sched.scheduled else 0  # nothing new: drain
             while len(self._inflight) > keep:
                 self._apply_oldest_result(out, cancelled)
         except EngineDeadError as e:
@@ -270,8 +286,8 @@ class LLMEngine:
             self.output_processor.add_prompt_logprobs(
                 {seq.seq_id: seq for seq, _ in step.sched.scheduled}, result.prompt_logprobs, out)
         updates = self.scheduler.update_from_output(step.sched, result)
-        for seq in self.output_processor.process(updates, out):
-            self.scheduler.finish(seq, "stop")  # a stop string ended it
+        for seq, num_tokens in self.output_processor.process(updates, out):
+            self.scheduler.finish(seq, "stop", num_tokens)  # a stop string ended it
         out.steps.append((first, len(out.deltas), step.step_id))
         self._inflight.popleft()
         self.last_step = StepStats(step.step_id, step.sched.num_batched_tokens,
@@ -307,6 +323,15 @@ class LLMEngine:
         m = self.metrics
         m.record_step(prompt_tokens=prompt_tokens, generation_tokens=num_sampled,
                       preemptions=pre - p0, queries=queries - q0, hits=hits - h0)
+        sp = self.scheduler.spec_stats
+        if sp.num_drafts != self._spec_seen[0]:
+            d0, t0, a0, pp0 = self._spec_seen
+            pp0 = pp0 or [0] * len(sp.accepted_per_pos)
+            m.record_spec(sp.num_drafts - d0, sp.num_draft_tokens - t0,
+                          sp.num_accepted_tokens - a0,
+                          [x - y for x, y in zip(sp.accepted_per_pos, pp0)])
+            self._spec_seen = (sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
+                               list(sp.accepted_per_pos))
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         m.set_state(running, waiting, self.kv.usage)
         m.maybe_log(running, waiting, self.kv.usage)

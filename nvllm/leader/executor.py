@@ -127,13 +127,16 @@ class Executor:
     def _check_result(self, r: worker_protocol.StepResult, due: set[int]) -> str | None:
         """A result must sample exactly the sequences that finished their tokens this step,
         with token ids in the vocabulary; anything else is not our workers' answer."""
-        if len(r.seq_ids) != len(r.token_ids) or set(r.seq_ids) != due \
-                or len(r.seq_ids) != len(due):
+        counts = r.num_tokens
+        if counts is not None and (len(counts) != len(r.seq_ids) or min(counts, default=1) < 1):
+            return "malformed token counts"
+        num = len(r.seq_ids) if counts is None else sum(counts)
+        if num != len(r.token_ids) or set(r.seq_ids) != due or len(r.seq_ids) != len(due):
             return "it does not sample the sequences the plan asked for"
         if any(not 0 <= t < self.vocab_size for t in r.token_ids):
             return "a token id is outside the vocabulary"
         if r.logprobs is not None and (not isinstance(r.logprobs, list)
-                                       or len(r.logprobs) != len(r.seq_ids)):
+                                       or len(r.logprobs) != num):
             return "malformed logprobs"
         return None
 

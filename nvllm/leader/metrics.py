@@ -18,7 +18,8 @@ FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, log_interval_s: float = 5.0) -> None:
+    def __init__(self, model_name: str, log_interval_s: float = 5.0,
+                 num_speculative_tokens: int = 0) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"model_name": model_name}
 
@@ -55,10 +56,26 @@ class EngineMetrics:
                            labelnames=["model_name", "finished_reason"], registry=r)
         self.finished = {reason: finished.labels(model_name=model_name, finished_reason=reason)
                          for reason in FINISH_REASONS}
+        # Speculative decoding (vLLM's spec_decode counters; registered while it is on).
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = None
+        self.spec_per_pos: list = []
+        if num_speculative_tokens:
+            self.spec_drafts = counter("nvllm:spec_decode_num_drafts",
+                                       "Verify steps of sequences that had draft tokens.")
+            self.spec_draft_tokens = counter("nvllm:spec_decode_num_draft_tokens",
+                                             "Draft tokens proposed.")
+            self.spec_accepted = counter("nvllm:spec_decode_num_accepted_tokens",
+                                         "Draft tokens accepted.")
+            per_pos = Counter("nvllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Draft tokens accepted, by position in the draft.",
+                              labelnames=["model_name", "position"], registry=r)
+            self.spec_per_pos = [per_pos.labels(model_name=model_name, position=str(j))
+                                 for j in range(num_speculative_tokens)]
         # For the periodic log line.
         self.log_interval_s = log_interval_s
         self._last_log = time.monotonic()
-        self._since = {"prompt": 0, "gen": 0, "preempt": 0, "queries": 0, "hits": 0}
+        self._since = {"prompt": 0, "gen": 0, "preempt": 0, "queries": 0, "hits": 0,
+                       "drafts": 0, "draft_tokens": 0, "accepted": 0}
 
     def record_step(self, *, prompt_tokens: int, generation_tokens: int, preemptions: int,
                     queries: int, hits: int) -> None:
@@ -70,6 +87,22 @@ class EngineMetrics:
         for key, v in (("prompt", prompt_tokens), ("gen", generation_tokens),
                        ("preempt", preemptions), ("queries", queries), ("hits", hits)):
             self._since[key] += v
+
+    def record_spec(self, drafts: int, draft_tokens: int, accepted: int,
+                    accepted_per_pos: list[int]) -> None:
+        """One step's speculative decoding counts (deltas)."""
+        if self.spec_drafts is None:
+            return
+        self.spec_drafts.inc(drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted.inc(accepted)
+        for c, v in zip(self.spec_per_pos, accepted_per_pos):
+            if v:
+                c.inc(v)
+        s = self._since
+        s["drafts"] += drafts
+        s["draft_tokens"] += draft_tokens
+        s["accepted"] += accepted
 
     def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
@@ -89,6 +122,13 @@ class EngineMetrics:
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit "
             "rate: %.1f%%, Preemptions: %d", s["prompt"] / dt, s["gen"] / dt, running, waiting,
             100.0 * kv_usage, hit_rate, s["preempt"])
+        if self.spec_drafts is not None and s["drafts"]:
+            logger.info(
+                "Speculative decoding: mean accepted length %.2f (1 + accepted drafts per "
+                "verify step), draft acceptance rate %.1f%%, drafts %d, draft tokens %d, "
+                "accepted %d", 1 + s["accepted"] / s["drafts"],
+                100.0 * s["accepted"] / max(1, s["draft_tokens"]), s["drafts"],
+                s["draft_tokens"], s["accepted"])
         self._last_log = now
         self._since = dict.fromkeys(s, 0)
 

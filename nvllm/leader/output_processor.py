@@ -99,14 +99,19 @@ class OutputProcessor:
             if req.held and req.prompt_scored:
                 self._release(req, out)
 
-    def process(self, updates: list[SeqUpdate], out: EngineOutput) -> list[Sequence]:
+    def process(self, updates: list[SeqUpdate], out: EngineOutput
+                ) -> list[tuple[Sequence, int]]:
         """Turn one step's tokens into deltas; returns the sequences a stop string ended
-        (still running in the scheduler)."""
+        (still running in the scheduler), each with its length at the token that ended it.
+        A sequence that accepted drafts has several updates: a stop string in the first
+        ends it there, and its later tokens are dropped (as without speculation)."""
         stopped = []
         now = time.monotonic()
         for u in updates:
             seq = u.seq
-            req = self.requests[seq.request_id]
+            req = self.requests.get(seq.request_id)
+            if req is None or req.finish_reasons[seq.index] is not None:
+                continue  # ended by an earlier token of this step (a stop string)
             self._observe_latency(req, seq.index, now)
             lps = None
             if u.logprobs is not None:
@@ -124,11 +129,13 @@ class OutputProcessor:
                 text, hit_stop = detok.add([u.token], finished=reason is not None)
                 if hit_stop and reason is None:
                     reason = "stop"
-                    stopped.append(seq)
+                    stopped.append((seq, u.num_tokens or seq.num_tokens))
             if reason is None:
                 self._emit(req, CompletionDelta(req.request_id, seq.index, [u.token], text, lps),
                            out)
             else:
+                if u.num_tokens:
+                    req.final_lens[seq.index] = u.num_tokens
                 self._finish_completion(req, seq, reason, [u.token], lps, text, out)
         return stopped
 
@@ -160,8 +167,9 @@ class OutputProcessor:
         detok = req.detoks[seq.index]
         if detok is not None:
             text += detok.flush()
+        n_out = req.final_lens.get(seq.index, seq.num_tokens) - seq.num_prompt_tokens
         usage = {"prompt_tokens": seq.num_prompt_tokens,
-                 "completion_tokens": seq.num_output_tokens,
+                 "completion_tokens": n_out,
                  "cached_tokens": req.num_cached_tokens}
         self._emit(req, CompletionDelta(req.request_id, seq.index, token_ids, text, lps, reason,
                                         usage), out)
@@ -193,7 +201,8 @@ class OutputProcessor:
         self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
         reason = req.finish_reasons[0] or "error"
         self.metrics.finished[reason if reason in self.metrics.finished else "error"].inc()
-        outs = [CompletionOutput(s.index, s.output_token_ids,
+        outs = [CompletionOutput(s.index, s.token_ids[s.num_prompt_tokens:
+                                                      req.final_lens.get(s.index, None)],
                                  "" if d is None else d.text, req.finish_reasons[s.index],
                                  req.logprobs[s.index])
                 for s, d in zip(req.seqs, req.detoks)]

@@ -53,7 +53,7 @@ class PlanBuilder:
         new = [(seq, n) for seq, n in sched.scheduled if not seq.on_worker]
         run = [(seq, n) for seq, n in sched.scheduled if seq.on_worker]
         return worker_protocol.StepPlan(
-            next(self._step_ids), _new_columns(new), _running_columns(run),
+            next(self._step_ids), _new_columns(new), _running_columns(run, sched.spec_tokens),
             list(finished_seq_ids))
 
 
@@ -73,10 +73,16 @@ def _new_columns(new: list[tuple[Sequence, int]]) -> worker_protocol.NewSeqs:
                             s.wants_prompt_logprobs) for s, _ in new])
 
 
-def _running_columns(run: list[tuple[Sequence, int]]) -> worker_protocol.RunningSeqs:
+def _running_columns(run: list[tuple[Sequence, int]], spec: dict[int, np.ndarray]
+                     ) -> worker_protocol.RunningSeqs:
     if not run:
         return worker_protocol.RunningSeqs()
     blk, blk_off = csr([s.block_table[s.num_sent_blocks:] for s, _ in run])
+    drafts: tuple[bytes, bytes] = (b"", worker_protocol.EMPTY_OFFSETS)
+    if spec:  # a sequence scheduled new carries no drafts (the scheduler proposes to
+        # running, decoding ones only)
+        empty = np.zeros(0, np.int64)
+        drafts = csr([spec.get(s.seq_id, empty) for s, _ in run])
     return worker_protocol.RunningSeqs(
         column([s.seq_id for s, _ in run], ID_DTYPE),
-        column([k for _, k in run], INT_DTYPE), blk, blk_off)
+        column([k for _, k in run], INT_DTYPE), blk, blk_off, *drafts)

@@ -35,6 +35,9 @@ class Request:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: list[bool] = field(default_factory=list)
     held: list = field(default_factory=list)
+    # Completion index -> its sequence's length at the token that ended it, when later
+    # tokens of the same step (accepted drafts) came after it and are not output.
+    final_lens: dict[int, int] = field(default_factory=dict)
 
     @property
     def prompt_scored(self) -> bool:

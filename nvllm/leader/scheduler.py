@@ -17,6 +17,17 @@ computed counts advance, sequences whose last token is computed owe a sampled to
 takes a step's sampled tokens back: it appends them and finishes sequences that hit a stop
 token or their length limit. Sequences that leave the workers (finished, aborted,
 preempted) are listed in ``finished_seq_ids`` until the next plan carries them.
+
+Speculative decoding (a ``proposer``, nvllm/leader/ngram_proposer.py): a running sequence
+that is decoding (exactly one known token left to compute, none in flight) may get d draft
+tokens (d <= k, cut so its output never passes max_tokens / max_model_len, and to the
+token budget). It is then scheduled for 1 + d tokens with slots for all of them, and its
+drafts travel in ``SchedulerOutput.spec_tokens``; they are never appended to its tokens and
+never count as known. Its computed count advances by 1 when the plan is accounted (so
+``samples_after_step`` holds as for any decode, and the prefix cache, which registers only
+computed blocks of known tokens, never sees a draft) and by the accepted drafts when the
+result comes. Rejected drafts' slots stay with the sequence: its block table only grows,
+and the next tokens overwrite those slots (its blocks are freed with it, as ever).
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from nvllm.common.step_rule import samples_after_step
 from nvllm.common.utils import cdiv
@@ -39,6 +52,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Sequences that sample a token in this step (their last known token is computed).
     sampling_seq_ids: set[int] = field(default_factory=set)
+    # Speculative decoding: draft tokens per sequence id (each scheduled for 1 + drafts).
+    spec_tokens: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -51,17 +66,31 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SeqUpdate:
-    """One sampled token taken into a sequence; ``finish_reason`` when it ended it."""
+    """One sampled token taken into a sequence; ``finish_reason`` when it ended it. A
+    step that accepted drafts gives a sequence one update per token, in order."""
 
     seq: Sequence
     token: int
     logprobs: list | None  # the worker's [logprob of token, [[id, logprob], ...]]
     finish_reason: str | None
+    num_tokens: int = 0  # the sequence's length with this token (0: its length now)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding's totals since start (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verify steps (sequences that had drafts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_plan_bytes: int = 64 << 20) -> None:
+                 max_model_len: int, max_plan_bytes: int = 64 << 20,
+                 proposer: Any = None) -> None:
+        """`proposer`: speculative decoding's (NgramProposer), or None."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,6 +105,10 @@ class Scheduler:
         # Running sequences that were on the workers when a group died and have not
         # completed a step since (see admission): at most one at a time.
         self._quarantined: set[int] = set()
+        self.proposer = proposer
+        self.spec_stats = SpecStats()
+        if proposer is not None:
+            self.spec_stats.accepted_per_pos = [0] * proposer.k
 
     def add(self, seq: Sequence, grammar: Any = None) -> None:
         """Queue a new sequence; `grammar`: its request's CompiledGrammar (structured
@@ -98,15 +131,18 @@ class Scheduler:
         ids, self.finished_seq_ids = self.finished_seq_ids, []
         return ids
 
-    def schedule(self) -> SchedulerOutput:
-        out = self._schedule()
+    def schedule(self, propose: bool = True) -> SchedulerOutput:
+        """The next step; `propose`: speculative drafts allowed (the engine passes
+        ``speculating()``, which also made this step synchronous)."""
+        out = self._schedule(propose)
         self._update_after_schedule(out)
         return out
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, propose: bool) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        drafts = self._propose() if propose else {}
 
         # 1. Running sequences: decodes and continuing prefill chunks.
         i = 0
@@ -116,10 +152,20 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            d = drafts.get(seq.seq_id)
+            if d is not None:
+                # Never past max_tokens / max_model_len (the 1 + d tokens a step can emit),
+                # nor the budget.
+                limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+                d = d[:max(0, min(limit - seq.num_tokens - 1, budget - 1))]
+                if len(d):
+                    n = 1 + len(d)
+                    out.spec_tokens[seq.seq_id] = d
             while not self.kv.allocate_slots(seq, n):
                 victim = self._pick_victim()
                 j = self.running.index(victim)
                 self.running.pop(j)
+                out.spec_tokens.pop(victim.seq_id, None)  # a preempted one loses its drafts
                 if victim.seq_id in scheduled_ids:  # scheduled earlier in this step: undo
                     k = next(k for k, (s, _) in enumerate(out.scheduled) if s is victim)
                     budget += out.scheduled.pop(k)[1]
@@ -181,7 +227,9 @@ class Scheduler:
         """The plan is as good as sent: workers execute plans in order, so its tokens
         count as computed and its full blocks may serve later prefix hits."""
         for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+            # A verify step counts only the known token as computed; the accepted drafts
+            # are added when the result comes (update_from_output).
+            seq.num_computed_tokens += 1 if seq.seq_id in out.spec_tokens else n
             if samples_after_step(seq.num_computed_tokens, seq.num_tokens + seq.num_pending):
                 seq.num_pending += 1
                 out.sampling_seq_ids.add(seq.seq_id)
@@ -189,29 +237,71 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, result: StepResult
                            ) -> list[SeqUpdate]:
-        """Append the step's sampled tokens; finish sequences at a stop token (once
-        min_tokens are out) or at max_tokens / max_model_len."""
-        sampled = dict(zip(result.seq_ids, result.token_ids))
-        logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else {}
+        """Append the step's sampled tokens (several for a sequence that accepted drafts:
+        one at a time, each checked); finish sequences at a stop token (once min_tokens are
+        out) or at max_tokens / max_model_len, dropping any later tokens of the step, so
+        the output ends exactly where it would without speculation."""
+        per_seq = result.per_seq()
         updates = []
         for seq, _ in sched.scheduled:
-            token = sampled.get(seq.seq_id)
+            got = per_seq.get(seq.seq_id)
             # A sequence that finished (a stop token in the previous result, an abort, a
             # timeout) while this plan was in flight: its extra token is dropped unseen.
-            if token is None or seq.is_finished:
+            if got is None or seq.is_finished:
                 continue
-            seq.token_ids.append(token)
+            tokens, lps = got
+            drafts = sched.spec_tokens.get(seq.seq_id)
+            if drafts is not None:
+                self._count_verify(seq, len(drafts), len(tokens) - 1)
+                seq.num_computed_tokens += len(tokens) - 1  # the accepted drafts' KV
             seq.num_pending -= 1
             seq.wants_prompt_logprobs = False  # its prompt's scores came before this token
             if seq.deaths_in_flight:  # a step went through: it is no suspect any more
                 seq.deaths_in_flight = 0
                 self._quarantined.discard(seq.seq_id)
-            self.kv.cache_computed_blocks(seq)
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-            updates.append(SeqUpdate(seq, token, logprobs.get(seq.seq_id), reason))
+            for j, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                reason = self._check_stop(seq, token)
+                updates.append(SeqUpdate(seq, token, None if lps is None else lps[j], reason,
+                                         seq.num_tokens))
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            else:
+                self.kv.cache_computed_blocks(seq)
         return updates
+
+    def speculating(self) -> bool:
+        """Whether a running sequence may propose drafts now (a proposer, k > 0 at this
+        batch size, one not paused for low acceptance): the engine then runs this step
+        synchronously."""
+        p = self.proposer
+        return (p is not None and p.config.k_for(len(self.running)) > 0
+                and any(p.eligible(s) for s in self.running))
+
+    def _propose(self) -> dict[int, np.ndarray]:
+        """Draft tokens for the running sequences that are decoding (one known token left
+        to compute, none in flight), by the proposer's adaptive rules."""
+        p = self.proposer
+        if p is None:
+            return {}
+        k = p.config.k_for(len(self.running))
+        if k < 1:
+            return {}
+        cands = [s for s in self.running
+                 if s.num_tokens - s.num_computed_tokens == 1 and not s.num_pending
+                 and p.eligible(s)]
+        return p.propose(cands, k) if cands else {}
+
+    def _count_verify(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        st = self.spec_stats
+        st.num_drafts += 1
+        st.num_draft_tokens += num_drafts
+        st.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            st.accepted_per_pos[j] += 1
+        self.proposer.observe(seq.seq_id, num_drafts, num_accepted,
+                              seq.num_tokens + num_accepted + 1)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -273,8 +363,14 @@ class Scheduler:
         for seq in self.waiting:
             seq.num_pending = 0  # tokens in flight died with the old workers
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out (finished or aborted) and give its blocks back."""
+    def finish(self, seq: Sequence, reason: str, num_tokens: int | None = None) -> None:
+        """Take a sequence out (finished or aborted) and give its blocks back.
+        `num_tokens`: keep only its first so many tokens (a stop string ended it inside a
+        step's accepted drafts: the tokens after it are not output)."""
+        if num_tokens is not None:
+            del seq.token_ids[num_tokens:]
+        if self.proposer is not None:
+            self.proposer.drop(seq.seq_id)
         if seq.on_worker:
             self.finished_seq_ids.append(seq.seq_id)
         self._quarantined.discard(seq.seq_id)

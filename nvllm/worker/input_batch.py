@@ -46,7 +46,12 @@ class StepBatch:
     input_ids: np.ndarray  # [T] int64
     slot_mapping: np.ndarray  # [T] int64
     sample_idx: np.ndarray  # [s] int64: the i that sample this step, in order
-    logits_indices: np.ndarray  # [s] int64: their last token's t (their hidden row)
+    # The hidden rows whose logits the step needs: sampling sequence j's are
+    # logits_indices[logits_offsets[j]:logits_offsets[j + 1]], its last 1 + spec_lens[j]
+    # tokens (one, its last, unless it verifies drafts).
+    logits_indices: np.ndarray  # [sum(1 + spec_lens)] int64
+    spec_lens: np.ndarray | None = None  # [s] int64: drafts each sampling sequence verifies
+    logits_offsets: np.ndarray | None = None  # [s + 1] int64
 
     @property
     def num_seqs(self) -> int:
@@ -116,10 +121,31 @@ class InputBatch:
             self._check_new(cols)
         if len(cols.run_blocks):
             self._check_ids(cols.run_ids, cols.run_blocks, cols.run_block_offsets, None)
-        self._check_ranges(cols.run_ids, self.num_tokens[run_rows],
+        spec = np.diff(cols.run_spec_offsets).astype(np.int64)
+        known = self.num_tokens[run_rows]
+        if len(cols.run_spec):
+            self._check_drafts(cols, run_rows, spec)
+        self._check_ranges(cols.run_ids, known + spec,
                            self.num_blocks_per_row[run_rows] + np.diff(cols.run_block_offsets),
                            self.num_computed_tokens[run_rows], cols.run_num_new)
         return run_rows
+
+    def _check_drafts(self, cols: PlanColumns, run_rows: np.ndarray, spec: np.ndarray) -> None:
+        """Drafts go only to decoding rows (one known token left to compute), which then
+        compute it and every draft; their ids must be in the vocabulary."""
+        bad = (cols.run_spec < 0) | (cols.run_spec >= self.vocab_size)
+        if bad.any():
+            i = int(np.searchsorted(cols.run_spec_offsets, np.argmax(bad), side="right")) - 1
+            raise InvalidPlan(f"sequence {int(cols.run_ids[i])}: draft token id outside the "
+                              f"vocabulary (0..{self.vocab_size - 1})")
+        has = spec > 0
+        decoding = (self.num_computed_tokens[run_rows] == self.num_tokens[run_rows] - 1)
+        bad = has & (~decoding | (cols.run_num_new.astype(np.int64) != 1 + spec))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidPlan(f"sequence {int(cols.run_ids[i])}: {int(spec[i])} draft(s) on a "
+                              f"row that is not decoding or computes "
+                              f"{int(cols.run_num_new[i])} token(s)")
 
     def _check_new(self, cols: PlanColumns) -> None:
         lens = np.diff(cols.new_token_offsets)
@@ -166,7 +192,9 @@ class InputBatch:
               ) -> StepBatch:
         """Validate the whole plan (InvalidPlan, state untouched), then apply it in place
         and return the step's arrays. The scheduled sequences' computed counts advance
-        by the step's tokens; sampled tokens come later, through append_sampled.
+        by the step's tokens; sampled tokens come later, through append_sampled (or
+        append_verified, for rows that verified drafts: their drafts are written after
+        their known tokens here, not counted as known).
         `reader`: the plan ring, for plans whose columns live there (copied into the
         rows here: nothing keeps a view of the ring)."""
         try:
@@ -178,10 +206,14 @@ class InputBatch:
             self.free(sid)
         new_rows = self._add_new(cols, plan)
         self._append_blocks(run_rows, cols.run_blocks, cols.run_block_offsets)
+        spec = np.diff(cols.run_spec_offsets).astype(np.int64)
+        if len(cols.run_spec):
+            self._write_drafts(run_rows, cols.run_spec, cols.run_spec_offsets)
         rows = np.concatenate([new_rows, run_rows])
         q = np.concatenate([cols.new_num_new, cols.run_num_new]).astype(np.int32)
+        spec_all = np.concatenate([np.zeros(len(new_rows), np.int64), spec])
         return self._step(np.concatenate([cols.new_ids, cols.run_ids]), rows, q,
-                          len(cols.new_ids))
+                          len(cols.new_ids), spec_all)
 
     def free(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -232,10 +264,37 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
 
+    def append_verified(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray,
+                        spec_lens: np.ndarray) -> None:
+        """Rows that verified drafts (spec_lens[j] each; 0: a plain sampling row): row j
+        takes counts[j] tokens (its accepted drafts, then the target's own; tokens is flat),
+        and its computed count falls back to cover only the accepted drafts: the KV of
+        rejected ones is stale and the next step overwrites it."""
+        if not len(rows):
+            return
+        rows = np.asarray(rows, np.int64)
+        counts = np.asarray(counts, np.int64)
+        spec_lens = np.asarray(spec_lens, np.int64)
+        if ((counts < 1) | (counts > 1 + spec_lens)).any():
+            raise ValueError("a row emits 1 + at most its drafts tokens")
+        off = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(counts, out=off[1:])
+        self._ensure_width(int((self.num_tokens[rows] + counts).max()), 0)
+        self.token_ids[np.repeat(rows, counts),
+                       np.repeat(self.num_tokens[rows], counts) + _ranks(off)] = tokens
+        self.num_tokens[rows] += counts
+        self.num_computed_tokens[rows] -= spec_lens - (counts - 1)
+
+    def _write_drafts(self, rows: np.ndarray, spec: np.ndarray, offsets: np.ndarray) -> None:
+        k = np.diff(offsets).astype(np.int64)
+        self._ensure_width(int((self.num_tokens[rows] + k).max()), 0)
+        self.token_ids[np.repeat(rows, k), np.repeat(self.num_tokens[rows], k)
+                       + _ranks(offsets)] = spec
+
     # ---- the step's arrays ------------------------------------------------------------
 
-    def _step(self, seq_ids: np.ndarray, rows: np.ndarray, q: np.ndarray, num_new: int
-              ) -> StepBatch:
+    def _step(self, seq_ids: np.ndarray, rows: np.ndarray, q: np.ndarray, num_new: int,
+              spec: np.ndarray) -> StepBatch:
         bs = self.block_size
         start = self.num_computed_tokens[rows].copy()
         end = start + q
@@ -247,8 +306,19 @@ class InputBatch:
         slots = (self.block_table[tok_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
         width = int(self.num_blocks_per_row[rows].max()) if len(rows) else 0
-        sample_idx = np.flatnonzero(samples_after_step(end, self.num_tokens[rows]))
+        # A row verifying d drafts samples once its drafts are computed too (the leader's
+        # rule counts the known tokens only: its computed count advances by 1 there).
+        sample_idx = np.flatnonzero(samples_after_step(end, self.num_tokens[rows] + spec))
         self.num_computed_tokens[rows] = end
+        last = cu[1:][sample_idx].astype(np.int64) - 1
+        spec_s = spec[sample_idx]
+        if spec_s.any():
+            loff = np.zeros(len(sample_idx) + 1, np.int64)
+            np.cumsum(1 + spec_s, out=loff[1:])
+            logits_indices = np.repeat(last - spec_s, 1 + spec_s) + _ranks(loff)
+        else:
+            loff = np.arange(len(sample_idx) + 1, dtype=np.int64)
+            logits_indices = last
         return StepBatch(
             seq_ids=seq_ids.astype(np.int64), rows=rows, num_new=num_new, start=start,
             query_lens=q,
@@ -256,7 +326,7 @@ class InputBatch:
             block_tables=self.block_table[rows, :width], positions=positions,
             input_ids=self.token_ids[tok_rows, positions].astype(np.int64),
             slot_mapping=slots, sample_idx=sample_idx,
-            logits_indices=cu[1:][sample_idx].astype(np.int64) - 1)
+            logits_indices=logits_indices, spec_lens=spec_s, logits_offsets=loff)
 
     # ---- capacity ---------------------------------------------------------------------
 

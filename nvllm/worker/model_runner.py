@@ -22,6 +22,7 @@ from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
+from nvllm.worker.rejection_sampler import RejectionSampler
 from nvllm.worker.sampler import Sampler, SampleRequest
 from nvllm.worker.structured_output import StructuredOutputState
 from nvllm.worker.thread_tuner import ThreadTuner
@@ -69,6 +70,7 @@ class ModelRunner:
         if device.type == "cpu" and config.cpu_onednn_linear:
             pack_for_cpu(self.model)
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
+        self.rejection = RejectionSampler(self.sampler) if tp.rank == 0 else None
         # Rank 0 samples, so it alone holds the grammars and matchers.
         self.structured = StructuredOutputState() if tp.rank == 0 else None
         # Held sequences' tokens and block tables (sized with the KV cache).
@@ -217,8 +219,17 @@ class ModelRunner:
         if not step.num_seqs:
             return (worker_protocol.StepResult(plan.step_id, [], [], None, 0.0)
                     if self.tp.rank == 0 else None)
-        if self.threads is not None:
-            self.threads.begin(step.num_tokens)
+        if self.threads is None:
+            return self._run(plan, step, t0)
+        self.threads.begin(step.num_tokens)
+        try:
+            return self._run(plan, step, t0)
+        finally:
+            self.threads.end()
+
+    def _run(self, plan: worker_protocol.StepPlan, step: StepBatch, t0: float
+             ) -> worker_protocol.StepResult | None:
+        """The applied step's forward pass, then sampling (or verifying drafts)."""
         micro, graphed = self._prepare(step)
         if graphed:
             hidden = self.graphs.run(*micro[0])
@@ -226,6 +237,8 @@ class ModelRunner:
             hiddens = self.tp.run([self.model.stages(*mb) for mb in micro])
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         prompt_lps = self._prompt_logprobs(step, hidden)
+        if step.spec_lens is not None and step.spec_lens.any():
+            return self._verify(plan, step, hidden, prompt_lps, t0)
         sample_rows = step.rows[step.sample_idx]
         sample_ids = step.seq_ids[step.sample_idx].tolist()
         logits = (self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices)
@@ -249,12 +262,79 @@ class ModelRunner:
                  else torch.empty(len(sample_ids), dtype=torch.long, device=self.device))
             tokens = self.tp.broadcast_from_first(t).tolist()
         self.batch.append_sampled(sample_rows, np.asarray(tokens, np.int64))
-        if self.threads is not None:
-            self.threads.end()
         if self.tp.rank != 0:
             return None
         return worker_protocol.StepResult(plan.step_id, sample_ids, tokens,
                                           logprobs, time.perf_counter() - t0, prompt_lps)
+
+    def _verify(self, plan: worker_protocol.StepPlan, step: StepBatch, hidden: torch.Tensor,
+                prompt_lps: list | None, t0: float) -> worker_protocol.StepResult | None:
+        """A step in which some rows verify draft tokens (speculative decoding): logits for
+        each such row's 1 + d positions, rank 0 accepts or rejects the drafts
+        (rejection_sampler.RejectionSampler; plain rows sample as ever), every rank takes
+        the emitted tokens (rank 0 broadcasts them, padded to [rows, 1 + max d]) and each
+        row's known tokens grow by them, its computed count by its accepted drafts.
+        Verify rows run the CPU backend's multi-query path (as a prefill chunk does), not
+        the one-query native decode kernel."""
+        batch = self.batch
+        sample_rows = step.rows[step.sample_idx]
+        sample_ids = step.seq_ids[step.sample_idx].tolist()
+        spec, off = step.spec_lens, step.logits_offsets
+        logits = self.model.compute_logits(
+            hidden[torch.from_numpy(step.logits_indices).to(hidden.device)])
+        width = 1 + int(spec.max())
+        emitted: list[list[int]] = []
+        logprobs = None
+        if self.tp.rank == 0:
+            so = self.structured
+            reqs = [SampleRequest(batch.sampling[row], batch.tokens(row),
+                                  int(batch.num_prompt_tokens[row]),
+                                  so.matcher(sid) if so.matchers else None)
+                    for sid, row in zip(sample_ids, sample_rows.tolist())]
+            n0 = batch.num_tokens[sample_rows]
+            drafts = [batch.token_ids[row, n:n + d] for row, n, d in
+                      zip(sample_rows.tolist(), n0.tolist(), spec.tolist())]
+            emitted = self.rejection.verify_rows(logits, off, reqs, drafts)
+            if so.matchers:
+                for sid, toks in zip(sample_ids, emitted):
+                    for t in toks:
+                        so.accept(sid, t)
+            if any(r.params.logprobs is not None for r in reqs):
+                logprobs = self._token_logprobs(logits, off, reqs, emitted)
+        if self.tp.world_size > 1:
+            t = torch.full((len(sample_ids), width), -1, dtype=torch.long, device=self.device)
+            if self.tp.rank == 0:
+                for i, toks in enumerate(emitted):
+                    t[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            t = self.tp.broadcast_from_first(t).cpu()
+            emitted = [[int(x) for x in r if x >= 0] for r in t.tolist()]
+        counts = np.fromiter((len(e) for e in emitted), np.int64, len(emitted))
+        flat = [x for e in emitted for x in e]
+        batch.append_verified(sample_rows, counts, np.asarray(flat, np.int64), spec)
+        if self.tp.rank != 0:
+            return None
+        return worker_protocol.StepResult(plan.step_id, sample_ids, flat, logprobs,
+                                          time.perf_counter() - t0, prompt_lps,
+                                          counts.tolist())
+
+    @staticmethod
+    def _token_logprobs(logits: torch.Tensor, off: np.ndarray, reqs: list[SampleRequest],
+                        emitted: list[list[int]]) -> list:
+        """One entry per emitted token (None for rows that did not ask): the model's own
+        logprobs at the token's position, as the sampler reports them."""
+        out: list = []
+        for i, (req, toks) in enumerate(zip(reqs, emitted)):
+            k = req.params.logprobs
+            if k is None:
+                out += [None] * len(toks)
+                continue
+            lp = torch.log_softmax(logits[int(off[i]):int(off[i]) + len(toks)].float(), -1)
+            for j, t in enumerate(toks):
+                top = torch.topk(lp[j], k) if k > 0 else None
+                pairs = [] if top is None else [[int(a), float(v)] for v, a in
+                                                zip(top.values.tolist(), top.indices.tolist())]
+                out.append([float(lp[j, t]), pairs])
+        return out
 
     def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> list | None:
         """Score the prompt positions this step computes for sequences that asked

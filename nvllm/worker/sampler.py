@@ -92,7 +92,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _argmax(row: torch.Tensor) -> int:
+def argmax_row(row: torch.Tensor) -> int:
     return int(argmax_rows(row[None])[0])
 
 
@@ -175,25 +175,55 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, req: SampleRequest) -> int:
         p = req.params
-        row = _apply_bias(row, p)
-        n_out = len(req.token_ids) - req.num_prompt_tokens
-        if n_out < p.min_tokens and p.stop_token_ids:
-            ids = [t for t in p.stop_token_ids if t < row.shape[0]]
-            kept = row[ids]
-            row[ids] = float("-inf")
-            if req.matcher is not None and bool(torch.isneginf(row).all()):
-                # The grammar allows only a stop token: the structure is complete, and
-                # ends the output before min_tokens rather than leave nothing to sample.
-                row[ids] = kept
-        row = _apply_penalties(row, req)
+        row = process_row(row, req)
         if p.temperature < GREEDY_BELOW:
-            return _argmax(row)
-        probs = _filter(row / p.temperature, p).softmax(-1)
+            return argmax_row(row)
+        probs = target_probs(row, p)
+        return self.draw(probs, req)
+
+    def generator(self, req: SampleRequest, offset: int = 0,
+                  device: torch.device | None = None) -> torch.Generator:
+        """What a draw for `req`'s token `offset` positions after its next uses: the
+        engine's generator on `device`, or for a seeded request a CPU one keyed by (seed,
+        output position), so a seed gives the same tokens in any batch or device."""
+        p = req.params
         if p.seed is None:
-            q = torch.empty_like(probs).exponential_(generator=self._device_generator(row.device))
-        else:
-            # Drawn on the CPU so a seed gives the same tokens on every device.
+            return self._device_generator(device or torch.device("cpu"))
+        return _generator(p.seed, len(req.token_ids) - req.num_prompt_tokens + offset)
+
+    def draw(self, probs: torch.Tensor, req: SampleRequest,
+             gen: torch.Generator | None = None) -> int:
+        """One token from `probs` (the exponential race: argmax(p / E), E ~ Exp(1)); `gen`
+        defaults to ``generator(req)``."""
+        if gen is None:
+            gen = self.generator(req, 0, probs.device)
+        if gen.device == probs.device:
+            q = torch.empty_like(probs).exponential_(generator=gen)
+        else:  # a seeded (CPU) generator: the same tokens on every device
             q = torch.empty(probs.shape, dtype=probs.dtype).exponential_(
-                generator=_generator(p.seed, n_out)).to(probs.device)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        return _argmax(probs / q)
+                generator=gen).to(probs.device)
+        return argmax_row(probs / q)
+
+
+def process_row(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
+    """A row of logits (grammar mask already applied) after logit_bias, the min_tokens
+    stop mask and the penalties: what greedy takes the argmax of, and what temperature
+    and the filters turn into the target distribution (``target_probs``). In place."""
+    p = req.params
+    row = _apply_bias(row, p)
+    n_out = len(req.token_ids) - req.num_prompt_tokens
+    if n_out < p.min_tokens and p.stop_token_ids:
+        ids = [t for t in p.stop_token_ids if t < row.shape[0]]
+        kept = row[ids]
+        row[ids] = float("-inf")
+        if req.matcher is not None and bool(torch.isneginf(row).all()):
+            # The grammar allows only a stop token: the structure is complete, and
+            # ends the output before min_tokens rather than leave nothing to sample.
+            row[ids] = kept
+    return _apply_penalties(row, req)
+
+
+def target_probs(row: torch.Tensor, p: WorkerSampling) -> torch.Tensor:
+    """The distribution a (non-greedy) token is drawn from: temperature, top-k, top-p,
+    min-p over a processed row (``process_row``)."""
+    return _filter(row / p.temperature, p).softmax(-1)

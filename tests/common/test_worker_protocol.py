@@ -153,7 +153,8 @@ def test_rejects_unknown_kind(kind):
     [InitKVCache.KIND, 1, 2],
     [WorkerError.KIND, 0, 0, "m"],
     [StepPlan.KIND],  # no step id
-    [StepPlan.KIND, 1, [], [b"", b"", b"", b"\0\0\0\0", b""], []],  # RunningSeqs: 5 of 4
+    [StepPlan.KIND, 1, [], [b"", b"", b"", b"\0\0\0\0", b"", b"\0\0\0\0", b""],
+     []],  # RunningSeqs: 7 of 6
     [StepPlan.KIND, 1, [b""] * 10, [], []],  # NewSeqs: 10 of 9
     [StepPlan.KIND, 1, [], [], [], 7],  # a field StepPlan does not have
     [StepPlan.KIND, 1, [b"", b"", b"", b"", b"", b"", b"", b"", [[0.0] * 16]], [], []],

@@ -3,9 +3,10 @@
 ``FakeWorkers`` keeps per-sequence state in the workers' own batch state
 (``nvllm.worker.input_batch.InputBatch``: the same validation, rows and sampling rule as
 ``ModelRunner``) and samples a scripted token for every sequence whose last token was
-computed, with fake logprobs (``fake_logprobs``) for sequences that ask for them, and fake
-prompt logprobs (``fake_prompt_logprobs``) for the prompt positions a plan computes for a
-sequence that asks.
+computed (verifying drafts greedily against the same script: a draft is accepted while
+it is the token the script gives at its position), with fake logprobs (``fake_logprobs``)
+for sequences that ask for them, and fake prompt logprobs (``fake_prompt_logprobs``)
+for the prompt positions a plan computes for a sequence that asks.
 Plans and results go through the wire codec, like the real client's; ``corrupt`` can slip
 malformed results in first.
 """
@@ -99,6 +100,9 @@ class FakeWorkers:
         self.injected: list = []
         # die_on(plan) -> True: the group dies executing that plan (no result comes back).
         self.die_on: Callable[[protocol.StepPlan], bool] | None = None
+        # (seq id, drafts, accepted) per verify row executed (speculative decoding).
+        self.accepted: list[tuple[int, int, int]] = []
+        self.slot_tokens: dict[int, int] = {}
 
     @property
     def client(self) -> FakeWorkers:
@@ -152,6 +156,8 @@ class FakeWorkers:
         """What ModelRunner.execute does with a plan, minus the model."""
         b = self.batch
         step = b.apply(plan)
+        # What a model would write into the KV cache: slot -> the token computed there.
+        self.slot_tokens.update(zip(step.slot_mapping.tolist(), step.input_ids.tolist()))
         prompt_lps = []
         for i in range(step.num_seqs):  # as ModelRunner._prompt_logprobs
             row, start = int(step.rows[i]), int(step.start[i])
@@ -164,18 +170,34 @@ class FakeWorkers:
                     fake_prompt_logprobs(p, int(toks[p]), k) for p in range(first, last + 1)]])
         seq_ids = step.seq_ids[step.sample_idx].tolist()
         rows = step.rows[step.sample_idx].tolist()
-        tokens, logprobs = [], []
-        for sid, row in zip(seq_ids, rows):
+        spec = step.spec_lens.tolist()
+        tokens, logprobs, counts = [], [], []
+        for sid, row, d in zip(seq_ids, rows, spec):
             fs = FakeSeq.of(b, row)
-            tokens.append(self.choose(sid, fs))
-            k = fs.sampling.logprobs
-            logprobs.append(None if k is None else fake_logprobs(
-                len(fs.token_ids) - fs.num_prompt_tokens, tokens[-1], k))
-        b.append_sampled(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
+            drafts = b.token_ids[row, len(fs.token_ids):len(fs.token_ids) + d].tolist()
+            # Greedy verification against the fake model: each position's token is
+            # choose() given the tokens before it (the drafts accepted so far included);
+            # drafts are accepted while they equal it, then its own token ends the run.
+            n = 0
+            while True:
+                t = self.choose(sid, fs)
+                tokens.append(t)
+                n += 1
+                k = fs.sampling.logprobs
+                logprobs.append(None if k is None else fake_logprobs(
+                    len(fs.token_ids) - fs.num_prompt_tokens, t, k))
+                if n > d or t != drafts[n - 1]:
+                    break
+                fs.token_ids.append(t)
+            counts.append(n)
+        b.append_verified(np.asarray(rows, np.int64), np.asarray(counts, np.int64),
+                          np.asarray(tokens, np.int64), np.asarray(spec, np.int64))
+        self.accepted += [(sid, d, n - 1) for sid, d, n in zip(seq_ids, spec, counts) if d]
         # As the sampler: a list (None for rows that did not ask) when any row asked.
         lps = logprobs if any(x is not None for x in logprobs) else None
         return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001,
-                                   prompt_lps or None)
+                                   prompt_lps or None,
+                                   counts if any(c != 1 for c in counts) else None)
 
 
 def submit(engine: LLMEngine, prompt=None, params=None, **kwargs):

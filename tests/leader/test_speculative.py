@@ -1,0 +1,197 @@
+"""Speculative decoding on the leader, with fake workers that verify drafts greedily
+against their scripted model (tests/support/fake_workers.py): outputs equal speculation
+off token for token and text for text (stop strings, stop tokens, max_tokens inside an
+accepted run, n > 1, logprobs, preemption), drafts are proposed and (partly) accepted, and
+the KV accounting holds after every step (tests/support/kv_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+from fake_workers import metric
+from kv_check import check_kv
+
+from nvllm.common.sampling_params import SamplingParams
+
+# Both modes: with async_scheduling the engine runs synchronously only while a sequence
+# may propose (Scheduler.speculating), else async.
+pytestmark = pytest.mark.parametrize("scheduling", ["sync", "async"])
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
+PASSAGE = ("The quick brown fox jumps over the lazy dog near the river bank while the "
+           "old farmer watches from his porch")
+TWIST = 7  # a prompt starting with this id gets a model that strays every 5th token
+
+
+def copy_model(sid, fs) -> int:
+    """Copies its prompt cyclically (from its 4th token), so n-gram drafts match; a
+    prompt marked TWIST strays every 5th token (drafts partly rejected)."""
+    prompt = fs.token_ids[:fs.num_prompt_tokens]
+    n_out = len(fs.token_ids) - fs.num_prompt_tokens
+    if prompt[0] == TWIST and n_out % 5 == 4:
+        return 300 + n_out
+    return prompt[(n_out + 3) % len(prompt)]
+
+
+def requests(tokenizer):
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    stop_tok = ids[12]
+    return [
+        (ids, SamplingParams(max_tokens=40)),
+        ([TWIST] + ids, SamplingParams(max_tokens=30)),
+        (ids[2:], SamplingParams(max_tokens=40, stop=["river"])),
+        (ids[1:], SamplingParams(max_tokens=40, stop_token_ids=[stop_tok])),
+        (ids[3:], SamplingParams(max_tokens=13, n=2, logprobs=2)),
+        (ids[:-2], SamplingParams(max_tokens=40, stop=["farmer"],
+                                  include_stop_str_in_output=True, min_tokens=25)),
+    ]
+
+
+def run(make_engine, tokenizer, **kw):
+    engine, workers = make_engine(copy_model, **kw)
+    for i, (prompt, params) in enumerate(requests(tokenizer)):
+        engine.submit(prompt_token_ids=prompt, params=params, request_id=f"r{i}")
+    finished = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        finished += out.finished
+        check_kv(engine, workers.slot_tokens)
+        steps += 1
+        assert steps < 1000
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    got = {r.request_id: [(c.token_ids, c.text, c.finish_reason, c.logprobs)
+                          for c in r.outputs] for r in finished}
+    return got, engine, workers, steps
+
+
+@pytest.mark.parametrize("blocks", [64, 30])  # 30 blocks of 4: preemption
+def test_outputs_equal_speculation_off(make_engine, tokenizer, blocks):
+    kw = dict(num_kv_blocks=blocks, max_num_batched_tokens=64)
+    base, e0, _, steps0 = run(make_engine, tokenizer, **kw)
+    got, e1, workers, steps1 = run(make_engine, tokenizer, speculative_config=SPEC, **kw)
+    assert got == base
+    st = e1.scheduler.spec_stats
+    assert st.num_drafts > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert sum(a for _, _, a in workers.accepted) == st.num_accepted_tokens
+    # vLLM's counters under nvllm:
+    assert metric(e1, "nvllm:spec_decode_num_drafts_total") == st.num_drafts
+    assert metric(e1, "nvllm:spec_decode_num_draft_tokens_total") == st.num_draft_tokens
+    assert metric(e1, "nvllm:spec_decode_num_accepted_tokens_total") == st.num_accepted_tokens
+    per_pos = [metric(e1, "nvllm:spec_decode_num_accepted_tokens_per_pos_total",
+                      position=str(j)) for j in range(4)]
+    assert per_pos == st.accepted_per_pos and sum(per_pos) == st.num_accepted_tokens
+    assert per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0
+    assert steps1 < steps0, "accepted drafts should save steps"
+    if blocks == 30:
+        assert e1.scheduler.num_preemptions > 0
+    # finish reasons exercised: stop string, stop token, length
+    reasons = {c[2] for outs in got.values() for c in outs}
+    assert reasons == {"stop", "length"}
+
+
+def test_drafts_never_pass_max_tokens_or_the_budget(make_engine, tokenizer):
+    engine, workers = make_engine(copy_model, speculative_config=SPEC,
+                                  max_num_batched_tokens=3, max_model_len=64)
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=9),
+                  request_id="a")
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_kv(engine, workers.slot_tokens)
+    for plan in workers.plans:
+        for r in plan.running:
+            assert len(r.spec_token_ids) <= 2  # budget 3: 1 + 2 drafts
+            if r.spec_token_ids:  # (prefill chunks are running rows too)
+                assert r.num_new_tokens == 1 + len(r.spec_token_ids)
+    # no position at or past the final token's is ever computed: the last one computed
+    # is the 9th output token's predecessor
+    assert len(workers.slot_tokens) == len(ids) + 8
+    assert engine.scheduler.spec_stats.num_drafts > 0
+
+
+def test_low_acceptance_stops_proposing(make_engine, tokenizer):
+    """A model that never follows its prompt: drafts get rejected, and after a few
+    verify steps the sequence stops proposing (retry_after_tokens later it tries again)."""
+    def stray(sid, fs):  # prompt tokens, but never in the prompt's order
+        prompt = fs.token_ids[:fs.num_prompt_tokens]
+        return prompt[3 * (len(fs.token_ids) - fs.num_prompt_tokens) % len(prompt)]
+
+    spec = dict(SPEC, min_acceptance_rate=0.5, retry_after_tokens=1000)
+    engine, workers = make_engine(stray, speculative_config=spec)
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=60),
+                  request_id="a")
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_kv(engine, workers.slot_tokens)
+    st = engine.scheduler.spec_stats
+    assert 0 < st.num_drafts < 10 and st.num_accepted_tokens < st.num_draft_tokens / 2
+    assert not engine.scheduler.speculating()
+    # Paused, the engine goes back to async scheduling where the config allows it: some
+    # plan then went out before the previous plan's result was received.
+    sent = [n for n in workers.recvs_before_plan]
+    overlapped = any(b == a for a, b in zip(sent, sent[1:]))
+    assert overlapped == engine.config.async_scheduling
+    # and no plan was sent while one with drafts was in flight
+    for i, plan in enumerate(workers.plans[:-1]):
+        if any(r.spec_token_ids for r in plan.running):
+            assert workers.recvs_before_plan[i + 1] > workers.recvs_before_plan[i]
+
+
+def test_restart_and_replay_with_speculation(tiny, tokenizer, scheduling):
+    """A worker group dies on a plan that verifies drafts: the restarted group recomputes
+    every sequence, and the outputs equal those of an uninterrupted run."""
+    from fake_workers import FakeWorkers
+
+    from nvllm.common.config import EngineConfig
+    from nvllm.leader.engine import LLMEngine
+    from nvllm.leader.executor import Executor
+
+    def make(die: bool):
+        groups = []
+
+        def start():
+            w = FakeWorkers(copy_model)
+            if die and not groups:  # the first group dies on its 3rd verify plan
+                n = [0]
+
+                def die_on(plan):
+                    n[0] += any(r.spec_token_ids for r in plan.running)
+                    return n[0] >= 3
+                w.die_on = die_on
+            groups.append(w)
+            return w
+
+        config = EngineConfig(tiny("qwen3"), device="cpu", block_size=4, num_kv_blocks=64,
+                              log_stats_interval_s=3600.0, restart_workers=True,
+                              speculative_config=SPEC).finalize()
+        return LLMEngine(config, Executor(config, start), tokenizer), groups
+
+    got = []
+    for die in (False, True):
+        engine, groups = make(die)
+        for i, (prompt, params) in enumerate(requests(tokenizer)):
+            engine.submit(prompt_token_ids=prompt, params=params, request_id=f"r{i}")
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += engine.step().finished
+            check_kv(engine, groups[-1].slot_tokens)
+        assert len(groups) == (2 if die else 1)
+        got.append(sorted((r.request_id, [(c.token_ids, c.text, c.finish_reason)
+                                          for c in r.outputs]) for r in finished))
+        engine.shutdown()
+    assert got[0] == got[1]
+
+
+def test_the_log_line_gives_the_mean_accepted_length(make_engine, tokenizer, caplog):
+    import logging
+
+    engine, _ = make_engine(copy_model, speculative_config=SPEC, log_stats_interval_s=0.0)
+    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=30), request_id="a")
+    with caplog.at_level(logging.INFO, logger="nvllm.leader.stats"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert any("Speculative decoding: mean accepted length" in r.getMessage()
+               for r in caplog.records)
