@@ -90,15 +90,22 @@ def test_outputs_equal_speculation_off(make_engine, tokenizer, blocks):
     assert reasons == {"stop", "length"}
 
 
-def test_drafts_never_pass_max_tokens_or_the_budget(make_engine, tokenizer):
-    engine, workers = make_engine(copy_model, speculative_config=SPEC,
-                                  max_num_batched_tokens=3, max_model_len=64)
+def run_checked(engine, workers, tokenizer, max_tokens: int) -> list[int]:
+    """Run PASSAGE as one request to the end, checking the KV accounting after every
+    step; returns its prompt's ids."""
     ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
-    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=9),
+    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=max_tokens),
                   request_id="a")
     while engine.has_unfinished_requests():
         engine.step()
         check_kv(engine, workers.slot_tokens)
+    return ids
+
+
+def test_drafts_never_pass_max_tokens_or_the_budget(make_engine, tokenizer):
+    engine, workers = make_engine(copy_model, speculative_config=SPEC,
+                                  max_num_batched_tokens=3, max_model_len=64)
+    ids = run_checked(engine, workers, tokenizer, max_tokens=9)
     for plan in workers.plans:
         for r in plan.running:
             assert len(r.spec_token_ids) <= 2  # budget 3: 1 + 2 drafts
@@ -119,12 +126,7 @@ def test_low_acceptance_stops_proposing(make_engine, tokenizer):
 
     spec = dict(SPEC, min_acceptance_rate=0.5, retry_after_tokens=1000)
     engine, workers = make_engine(stray, speculative_config=spec)
-    ids = tokenizer(PASSAGE, add_special_tokens=False).input_ids
-    engine.submit(prompt_token_ids=ids, params=SamplingParams(max_tokens=60),
-                  request_id="a")
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_kv(engine, workers.slot_tokens)
+    run_checked(engine, workers, tokenizer, max_tokens=60)
     st = engine.scheduler.spec_stats
     assert 0 < st.num_drafts < 10 and st.num_accepted_tokens < st.num_draft_tokens / 2
     assert not engine.scheduler.speculating()
