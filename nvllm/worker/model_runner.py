@@ -23,7 +23,7 @@ from nvllm.worker.loader import load_weights
 from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.rejection_sampler import RejectionSampler
-from nvllm.worker.sampler import Sampler, SampleRequest
+from nvllm.worker.sampler import Sampler, SampleRequest, logprob_entry
 from nvllm.worker.structured_output import StructuredOutputState
 from nvllm.worker.thread_tuner import ThreadTuner
 
@@ -329,11 +329,7 @@ class ModelRunner:
                 out += [None] * len(toks)
                 continue
             lp = torch.log_softmax(logits[int(off[i]):int(off[i]) + len(toks)].float(), -1)
-            for j, t in enumerate(toks):
-                top = torch.topk(lp[j], k) if k > 0 else None
-                pairs = [] if top is None else [[int(a), float(v)] for v, a in
-                                                zip(top.values.tolist(), top.indices.tolist())]
-                out.append([float(lp[j, t]), pairs])
+            out += [logprob_entry(lp[j], t, k) for j, t in enumerate(toks)]
         return out
 
     def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> list | None:

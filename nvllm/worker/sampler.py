@@ -82,6 +82,16 @@ def _filter(row: torch.Tensor, p: WorkerSampling) -> torch.Tensor:
     return row
 
 
+def logprob_entry(lp: torch.Tensor, token: int, k: int) -> list:
+    """One StepResult.logprobs entry from a row of log-probabilities: [logprob of `token`,
+    [[id, logprob], ...the top k]]."""
+    pairs = []
+    if k > 0:
+        top = torch.topk(lp, k)
+        pairs = [[int(t), float(v)] for v, t in zip(top.values.tolist(), top.indices.tolist())]
+    return [float(lp[token]), pairs]
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of [B, V] logits: the same indices, through the native CPU
     op where it applies (torch's CPU argmax is a scalar loop: ~1 ms of a 64-sequence decode
@@ -147,10 +157,7 @@ class Sampler:
                 if k is None:
                     logprobs.append(None)
                     continue
-                top = torch.topk(lp[i], k) if k > 0 else None
-                pairs = [] if top is None else [[int(t), float(v)] for v, t in
-                                                zip(top.values.tolist(), top.indices.tolist())]
-                logprobs.append([float(lp[i, tokens[i]]), pairs])
+                logprobs.append(logprob_entry(lp[i], tokens[i], k))
         return tokens, logprobs
 
     @staticmethod
