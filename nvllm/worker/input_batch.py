@@ -98,11 +98,13 @@ class InputBatch:
 
     # ---- validation -------------------------------------------------------------------
 
-    def validate(self, plan: worker_protocol.StepPlan, cols: PlanColumns) -> np.ndarray:
+    def validate(self, plan: worker_protocol.StepPlan, cols: PlanColumns
+                 ) -> tuple[np.ndarray, np.ndarray]:
         """Reject a plan this state cannot execute, before touching anything. Plans come
         from the leader only, so a bad one is a bug (or a forged frame): raising here,
         instead of indexing out of the KV cache or the embedding table, lets the worker
-        answer with an error and stay as it was. Returns the running sequences' rows."""
+        answer with an error and stay as it was. Returns the running sequences' rows and
+        their draft counts."""
         dropped = set(plan.finished_ids)
         new_ids, run_ids = cols.new_ids.tolist(), cols.run_ids.tolist()
         if len(set(new_ids).union(run_ids)) < len(new_ids) + len(run_ids):
@@ -128,7 +130,7 @@ class InputBatch:
         self._check_ranges(cols.run_ids, known + spec,
                            self.num_blocks_per_row[run_rows] + np.diff(cols.run_block_offsets),
                            self.num_computed_tokens[run_rows], cols.run_num_new)
-        return run_rows
+        return run_rows, spec
 
     def _check_drafts(self, cols: PlanColumns, run_rows: np.ndarray, spec: np.ndarray) -> None:
         """Drafts go only to decoding rows (one known token left to compute), which then
@@ -201,12 +203,11 @@ class InputBatch:
             cols = columns(plan, reader)
         except ValueError as e:
             raise InvalidPlan(str(e)) from None
-        run_rows = self.validate(plan, cols)
+        run_rows, spec = self.validate(plan, cols)
         for sid in plan.finished_ids:
             self.free(sid)
         new_rows = self._add_new(cols, plan)
         self._append_blocks(run_rows, cols.run_blocks, cols.run_block_offsets)
-        spec = np.diff(cols.run_spec_offsets).astype(np.int64)
         if len(cols.run_spec):
             self._write_drafts(run_rows, cols.run_spec, cols.run_spec_offsets)
         rows = np.concatenate([new_rows, run_rows])
