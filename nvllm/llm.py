@@ -72,6 +72,11 @@ class LLM:
         ...) gets an output with ``finish_reason == "error"`` and ``error`` saying why;
         the other prompts are generated as usual.
         """
+        if self.engine is not None and self.engine.served_by is not None:
+            raise RuntimeError(
+                f"this LLM's engine is served at {self.engine.served_by}: the server's "
+                "thread steps it, so send requests through "
+                f"nvllm.Client({self.engine.served_by!r}) instead of LLM.generate")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

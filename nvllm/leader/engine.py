@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -118,6 +119,12 @@ class LLMEngine:
         self.reset_step_totals()
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
         self._spec_seen = (0, 0, 0, [])  # drafts, draft tokens, accepted, per position
+        # The engine is single-threaded by contract: the thread that steps it owns it.
+        # An EngineServer marks the engine as its own while it serves (the offline API
+        # refuses then), and two overlapping steps fail loudly instead of corrupting the
+        # scheduler and reading each other's results.
+        self.served_by: str | None = None
+        self._step_lock = threading.Lock()
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -218,6 +225,16 @@ class LLMEngine:
         raises KeyboardInterrupt with the plan still in flight and its result unread, so
         the engine stays consistent (the next step takes that result before it schedules).
         """
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("LLMEngine.step was called while another thread was stepping "
+                               "this engine; one thread must own it (send requests to a "
+                               "served engine through nvllm.Client)")
+        try:
+            return self._step(cancelled)
+        finally:
+            self._step_lock.release()
+
+    def _step(self, cancelled: Callable[[], bool] | None) -> EngineOutput:
         t0 = time.perf_counter()
         out = self._expire()
         try:

@@ -373,7 +373,6 @@ class EngineServer:
         """Admit and step until `stop` is set; idle waits block on the socket. Then stop
         admitting, let in-flight requests finish for up to shutdown_timeout_s, and abort
         the rest (each client still gets its final message)."""
-        batch_wait = self.engine.config.batch_timeout_ms / 1000.0
         give_up_at: list[float] = []
 
         def past_shutdown_deadline() -> bool:
@@ -385,6 +384,16 @@ class EngineServer:
             return time.monotonic() > give_up_at[0]
 
         self._cancelled = past_shutdown_deadline
+        if self.engine.served_by is not None:
+            raise RuntimeError(f"this engine is already served at {self.engine.served_by}")
+        self.engine.served_by = self.endpoint
+        try:
+            self._serve(stop, shutdown_timeout_s)
+        finally:
+            self.engine.served_by = None
+
+    def _serve(self, stop: threading.Event, shutdown_timeout_s: float) -> None:
+        batch_wait = self.engine.config.batch_timeout_ms / 1000.0
         while not stop.is_set():
             busy = self.dead is None and self.engine.has_unfinished_requests()
             self._drain(0 if busy else 5 if self._tokenizing else IDLE_POLL_MS)

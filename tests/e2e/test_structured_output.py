@@ -203,9 +203,16 @@ def test_32_concurrent_requests_mixed_with_free_ones(served):
 
     free = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     prompts = [f"{PROMPTS[i % 4]} #{i}" for i in range(16)]
-    alone = [o.token_ids for o in served.llm.generate(prompts, SamplingParams(**free),
-                                                     use_tqdm=False)]
     kinds = [("json", "regex", "choice")[i % 3] for i in range(16)]
+
+    async def free_alone():
+        c = AsyncClient(served.endpoint, timeout_s=120)
+        try:
+            return await asyncio.gather(*[c.generate(q, free) for q in prompts])
+        finally:
+            c.close()
+
+    alone = [o.token_ids for o in asyncio.run(free_alone())]
 
     async def main():
         c = AsyncClient(served.endpoint, timeout_s=120)

@@ -266,3 +266,34 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(connected, monkeypa
     assert [(m["op"], m["code"]) for m in msgs["bad"]] == [("error", "invalid_request")]
     assert "slow" not in msgs
     engine.abort_request(req.request_id)
+
+
+def test_a_served_engine_is_owned_by_its_server_thread(serve_engine, tokenizer):
+    """While a server serves an engine, the offline API refuses it (naming the client to
+    use) and a second step overlapping the server's fails loudly: two threads stepping
+    one engine would corrupt the scheduler and read each other's results."""
+    import threading
+
+    from nvllm import LLM
+
+    engine, server, _ = serve_engine()
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while engine.served_by is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.served_by == server.endpoint
+        llm = LLM.from_engine(engine)
+        with pytest.raises(RuntimeError, match=f"served at {server.endpoint}.*nvllm.Client"):
+            llm.generate("hello")
+        assert not engine.requests  # refused before anything was submitted
+        with pytest.raises(RuntimeError, match="already served"):
+            server.serve(threading.Event())
+    finally:
+        stop.set()
+        thread.join(10)
+    assert engine.served_by is None  # the offline API works again once serving stops
+    with engine._step_lock, pytest.raises(RuntimeError, match="another thread"):
+        engine.step()
