@@ -25,10 +25,13 @@ slower than the other count's: a wrong switch costs a step or two, not an interv
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MIN_INTERVAL = 16
 MAX_INTERVAL = 1024
@@ -101,6 +104,10 @@ class ThreadTuner:
             self.since = 0
 
     def _switch(self, n: int) -> None:
+        # Logged: a run's speed depends on the mode, and which one a run ended on is the
+        # first thing to know when two runs of one benchmark disagree.
+        logger.info("torch threads per step: %d -> %d (after %s steps on each count)",
+                    self.mode, n, "/".join(map(str, self.steps_per_count.values())))
         self.mode, self.interval, self.since = n, self.min_interval, 0
 
     def best(self, num_tokens: int | None = None) -> int:
