@@ -18,9 +18,9 @@ tests/worker/test_thread_tuner.py), so outputs do not depend on the choice.
 
 Exploring costs steps on the slower count: the other count is tried again after
 ``min_interval`` steps, and that wait doubles (up to ``max_interval``) every time it
-loses, so a mode that stays right costs about one slow step in ``max_interval``. A lucky
-fast step that wins a switch is undone as soon as the mode's average for that size turns
-slower than the other count's: a wrong switch costs a step or two, not an interval.
+loses, so a mode that stays right costs about ``TRY_STEPS`` slow steps in
+``max_interval``. A try is a few steps, each compared with the mode's average for its
+size, and wins only by a margin (``MARGIN``): single steps jitter too much to decide on.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ MIN_INTERVAL = 16
 MAX_INTERVAL = 1024
 ALPHA = 0.25  # weight of a new step's time in its count's running average
 MAX_CLASS = 12  # steps of 2**12 tokens and more share one size class
+# A try of the other count runs TRY_STEPS steps and wins when they took, on average, less
+# than (1 - MARGIN) of what the mode's steps of the same sizes take. Step times jitter by
+# tens of percent within a size class (other processes; prefills of different lengths):
+# decided on one step with no margin, lucky steps flipped the count back and forth (online,
+# float32, concurrency 16: 60 of 239 steps on the slower count in one run).
+TRY_STEPS = 3
+MARGIN = 0.1
 
 
 class ThreadTuner:
@@ -60,6 +67,8 @@ class ThreadTuner:
         self._avg: dict[int, dict[int, float]] = {}  # size class -> count -> seconds/step
         self._current = -1  # the count last set (-1: not set by the tuner yet)
         self._running: tuple[dict[int, float], int, float] | None = None
+        self._try: list[float] = []  # a try in progress: its steps' time / the mode's
+        self._seen: dict[tuple[int, int], int] = {}  # (size class, count) -> steps run
         self.steps_per_count = dict.fromkeys(self.counts, 0)
 
     @staticmethod
@@ -71,15 +80,19 @@ class ThreadTuner:
 
     def begin(self, num_tokens: int) -> int:
         """Set the thread count for a step of `num_tokens` tokens; returns it."""
-        avg = self._avg.setdefault(self.size_class(num_tokens), {})
-        # Explore only where the mode has a baseline to compare with.
-        n = self.other(self.mode) if self.since >= self.interval and self.mode in avg \
-            else self.mode
+        c = self.size_class(num_tokens)
+        avg = self._avg.setdefault(c, {})
+        # Try the other count only where the mode has a baseline of a few steps to
+        # compare with.
+        explore = self.since >= self.interval and self._seen.get((c, self.mode), 0) >= \
+            TRY_STEPS
+        n = self.other(self.mode) if explore else self.mode
         if n != self._current:
             self._set(n)
             self._current = n
         self.steps_per_count[n] += 1
         self._running = (avg, n, self._clock())
+        self._seen[c, n] = self._seen.get((c, n), 0) + 1
         return n
 
     def end(self) -> None:
@@ -90,25 +103,33 @@ class ThreadTuner:
         self._running = None
         dt = self._clock() - t0
         other = self.other(n)
-        if n == self.mode:
-            avg[n] = dt if n not in avg else avg[n] + ALPHA * (dt - avg[n])
-            self.since += 1
-            if other in avg and avg[n] > avg[other]:  # the last switch was a lucky step
-                self._switch(other)
+        if n != self.mode:  # a step of a try
+            self._try.append(dt / avg[other])
+            avg[n] = dt  # the count's baseline at this size, should it become the mode
+            if len(self._try) < TRY_STEPS:
+                return
+            ratio = sum(self._try) / len(self._try)
+            self._try = []
+            if ratio < 1.0 - MARGIN:
+                self._switch(n, ratio)
+            else:
+                self.interval = min(2 * self.interval, self.max_interval)
+                self.since = 0
             return
-        avg[n] = dt  # a challenger's step stands for its count as measured now
-        if dt < avg[other]:
-            self._switch(n)
-        else:
-            self.interval = min(2 * self.interval, self.max_interval)
-            self.since = 0
+        # Only tries switch: the other count's figures are single steps, too noisy to
+        # compare the mode's average with (a machine that turns crowded is noticed at the
+        # next try, within max_interval steps).
+        avg[n] = dt if n not in avg else avg[n] + ALPHA * (dt - avg[n])
+        self.since += 1
 
-    def _switch(self, n: int) -> None:
+    def _switch(self, n: int, ratio: float) -> None:
         # Logged: a run's speed depends on the mode, and which one a run ended on is the
         # first thing to know when two runs of one benchmark disagree.
-        logger.info("torch threads per step: %d -> %d (after %s steps on each count)",
-                    self.mode, n, "/".join(map(str, self.steps_per_count.values())))
+        logger.info("torch threads per step: %d -> %d (%.2fx the time; %s steps so far on "
+                    "each count)", self.mode, n, ratio,
+                    "/".join(map(str, self.steps_per_count.values())))
         self.mode, self.interval, self.since = n, self.min_interval, 0
+        self._try = []
 
     def best(self, num_tokens: int | None = None) -> int:
         """The count steps run on now (the mode; one for every size)."""
