@@ -107,6 +107,10 @@ def main() -> None:
                    "acceptance": accepted / drafted if drafted else None,
                    "mean_accepted_length": 1 + accepted / drafts if drafts else None}
             res["speedup"] = res["on_tok_s"] / res["off_tok_s"]
+            gate = llms["on"].engine.spec_gate  # speculation on/off per batch-size class
+            if gate is not None:
+                res["gate_modes"] = {f">={1 << c}": on for c, on in gate.modes().items()}
+                res["gate_switches"] = gate.num_switches
             results[(kind, conc)] = res
             print(json.dumps(res), flush=True)
     finally:

@@ -27,8 +27,10 @@ its CPU n-gram proposer, and a plan with drafts is never left in flight. That co
 leader/worker overlap (the leader's per-step work is then on the critical path): on the
 2-core bench (scripts/bench_spec.py, SmolLM2-135M) synchronous steps alone cost ~5% at
 concurrency 16. Where nothing may propose (every sequence paused for low acceptance, or
-more sequences running than ``disable_by_batch_size``), the engine goes back to async
-scheduling (``async_scheduling`` permitting): ``Scheduler.speculating``. Proposing on rank
+more sequences running than ``disable_by_batch_size``, or the batch size's measured
+output rate higher without speculating: nvllm/leader/spec_gate.py), the engine goes back
+to async scheduling (``async_scheduling`` permitting): ``Scheduler.speculating`` and
+``SpecGate.allow``. Proposing on rank
 0 (which has the token) would keep async scheduling always: a later option.
 """
 
@@ -70,6 +72,10 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2
     # ... until it has generated this many more tokens, then tries again (0: never again).
     retry_after_tokens: int = 32
+    # Measure output tokens per second with speculation on and off, per batch size
+    # (running sequences, in powers of two), and speculate only where it is faster
+    # (nvllm/leader/spec_gate.py); false: wherever the rules above allow.
+    measure_throughput: bool = True
     # How many of a sequence's most recent tokens the n-gram lookup scans per step (its
     # cost per sequence is bounded by this, whatever the context length).
     lookup_window: int = 1024
@@ -143,6 +149,8 @@ class SpeculativeConfig:
             raise bad("min_acceptance_rate", "a number in 0..1")
         if not is_int(self.retry_after_tokens) or self.retry_after_tokens < 0:
             raise bad("retry_after_tokens", "an integer >= 0")
+        if not isinstance(self.measure_throughput, bool):
+            raise bad("measure_throughput", "true or false")
         w = self.lookup_window
         if not is_int(w) or not hi + 1 <= w <= 1 << 20:
             raise bad("lookup_window", f"an integer in {hi + 1}..{1 << 20}")

@@ -43,6 +43,7 @@ from nvllm.leader.output_processor import EngineOutput, OutputProcessor
 from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
+from nvllm.leader.spec_gate import SpecGate
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,14 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.model_info.kv_window)
         proposer = None
+        # Speculation goes off by itself at batch sizes where it measurably lowers the
+        # output rate (nvllm/leader/spec_gate.py).
+        self.spec_gate: SpecGate | None = None
+        self._step_tokens = 0  # output tokens of the results applied in this step
         if config.speculative_config is not None:
             proposer = NgramProposer(config.speculative_config)
+            if config.speculative_config.measure_throughput:
+                self.spec_gate = SpecGate()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_plan_bytes, proposer)
         spec = config.speculative_config
@@ -241,7 +248,10 @@ class LLMEngine:
             # Speculative decoding: a step that may propose drafts runs synchronously, and
             # no plan is sent while one with drafts is in flight (the workers' count of a
             # verifying sequence's tokens is known only once its result is).
-            speculate = self.scheduler.speculating()
+            num_running = len(self.scheduler.running)
+            speculate = self.scheduler.speculating() and (
+                self.spec_gate is None or self.spec_gate.allow(num_running))
+            self._step_tokens = 0
             depth = 0 if speculate or any(f.sched.spec_tokens for f in self._inflight) \
                 else self._depth
             keep = depth  # an interrupted step owes results: take those first
@@ -263,6 +273,8 @@ class LLMEngine:
                 self._fail_all()
                 raise
         step_time = time.perf_counter() - t0
+        if self.spec_gate is not None:
+            self.spec_gate.record(num_running, speculate, self._step_tokens, step_time)
         self.last_step.step_time_s = step_time
         self.total_step_s += step_time
         return out
@@ -310,6 +322,7 @@ class LLMEngine:
         self.last_step = StepStats(step.step_id, step.sched.num_batched_tokens,
                                    step.plan_bytes, result.worker_time_s)
         self.total_worker_s += result.worker_time_s
+        self._step_tokens += len(updates)
         self._export_stats(step.prompt_tokens, len(updates))
 
     def reset_step_totals(self) -> None:

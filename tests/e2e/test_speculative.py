@@ -140,7 +140,8 @@ def test_greedy_equal_with_speculation(tiny, tp):
         refs = {}
         for p, outs in zip(prompts, base):
             refs.setdefault(tuple(p), [o[0] for o in outs])
-    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "measure_throughput": False}  # speculating throughout, whatever the timings
     with LLM(model, speculative_config=spec, **kw) as llm:
         assert llm.engine._depth == 1  # async where nothing may propose
         ngram = 0
@@ -172,7 +173,8 @@ def test_seeded_sampling_reproducible_with_speculation(tiny):
     prompts = [tok(PASSAGE * 2).input_ids] * 3
     params = [SamplingParams(temperature=0.8, top_k=50, seed=7 + i, max_tokens=24)
               for i in range(3)]
-    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "measure_throughput": False}
     with LLM(model, device="cpu", dtype="float32", block_size=8,
              speculative_config=spec) as llm:
         first = generate(llm, prompts, params)
@@ -225,7 +227,8 @@ def test_sampled_tokens_keep_their_distribution_under_speculation(tiny):
     prompts = [{"prompt_token_ids": [100, 200, 300]}] * N_SEEDS
     counts = []
     with LLM(tiny("qwen3"), device="cpu", dtype="float32", block_size=8,
-             speculative_config={"num_speculative_tokens": 1}, max_num_seqs=512) as llm:
+             speculative_config={"num_speculative_tokens": 1, "measure_throughput": False},
+             max_num_seqs=512) as llm:
         for draft in (None, toks[1]):
             llm.engine.scheduler.proposer = ForcedDraft(draft)
             outs = llm.generate(prompts, params, use_tqdm=False)

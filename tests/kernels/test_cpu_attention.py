@@ -404,6 +404,35 @@ def test_native_decode_kernel(dtype, heads, kv_heads, d, window):
 
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
+@pytest.mark.parametrize("bad, match", [
+    ({"lens": 0}, r"lens\[1\] = 0 must be in 1..caps"),
+    ({"lens": 9}, r"lens\[1\] = 9 must be in 1..caps\[1\] = 8"),
+    ({"rows": 3}, r"rows\[1\] = 3 is not a token row \(3 tokens\)"),
+    ({"slots": 64}, r"slots\[1\] = 64 is outside the paged cache \(64 slots\)"),
+    ({"slots": -2}, r"slots\[1\] = -2 is outside"),
+])
+def test_native_decode_kernel_refuses_indices_out_of_bounds(bad, match):
+    """An index that would write out of bounds (a length of 0 among them: the new token
+    is always a key) is an error naming it, before anything is written."""
+    d, kv_heads, heads = 64, 1, 2
+    bufs = [torch.zeros(1, 2, kv_heads, 8, d) for _ in range(2)]
+    q = torch.randn(3, heads, d)
+    k, v = torch.randn(3, kv_heads, d), torch.randn(3, kv_heads, d)
+    k_cache, v_cache = (torch.zeros(4, 16, kv_heads, d) for _ in range(2))
+    vec = {"rows": [0, 2], "lens": [1, 5], "slots": [3, 4]}
+    for name, value in bad.items():
+        vec[name][1] = value
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    with pytest.raises(RuntimeError, match=match):
+        cpu_ops.decode_attention(torch.empty_like(q), q, k, v, k_cache, v_cache,
+                                 as_long(vec["slots"]), as_long(vec["rows"]),
+                                 as_long([b.data_ptr() for b in bufs]),
+                                 as_long([b.shape[3] for b in bufs]), as_long(vec["lens"]),
+                                 0, 0.3, 0)
+    assert not k_cache.any() and not any(b.any() for b in bufs)
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 64), (6, 2, 80), (4, 4, 32)])
 @pytest.mark.parametrize("window", [0, 20])

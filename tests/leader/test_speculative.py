@@ -16,8 +16,10 @@ from nvllm.common.sampling_params import SamplingParams
 # may propose (Scheduler.speculating), else async.
 pytestmark = pytest.mark.parametrize("scheduling", ["sync", "async"])
 
+# measure_throughput off: these tests check what speculating does, so it must not turn
+# itself off on timings (the gate has tests of its own: test_spec_gate.py).
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
+        "prompt_lookup_max": 3, "min_acceptance_rate": 0.0, "measure_throughput": False}
 PASSAGE = ("The quick brown fox jumps over the lazy dog near the river bank while the "
            "old farmer watches from his porch")
 TWIST = 7  # a prompt starting with this id gets a model that strays every 5th token
@@ -197,3 +199,34 @@ def test_the_log_line_gives_the_mean_accepted_length(make_engine, tokenizer, cap
             engine.step()
     assert any("Speculative decoding: mean accepted length" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_measured_gate_decides_each_step_and_sees_its_tokens(make_engine, tokenizer,
+                                                                  scheduling):
+    """With measure_throughput on, a step speculates only where the gate allows, runs
+    with async scheduling where it does not, and the gate is told every step's output
+    tokens (accepted drafts included) and whether it speculated."""
+    engine, workers = make_engine(copy_model, speculative_config=dict(
+        SPEC, measure_throughput=True))
+    gate = engine.spec_gate
+    assert gate is not None
+    seen: list[tuple[int, bool, int]] = []
+    answers: list[bool] = []
+
+    def allow(num_running: int) -> bool:  # asked only when a sequence could propose
+        answers.append(len(answers) < 6)  # yes for six steps, then no
+        return answers[-1]
+
+    gate.allow = allow
+    gate.record = lambda n, speculated, tokens, s: seen.append((n, speculated, tokens))
+    run_checked(engine, workers, tokenizer, max_tokens=40)
+    st = engine.scheduler.spec_stats
+    assert 0 < st.num_drafts <= 6
+    assert sum(t for _, _, t in seen) == 40
+    flags = "".join("1" if s else "0" for _, s, _ in seen)
+    assert flags.strip("0") == "111111" and len(answers) > 6  # the six, and only them
+    # No plan after the gate closed carries drafts (a plan or two may be built while
+    # the last speculating step's result is taken).
+    drafted = [i for i, p in enumerate(workers.plans) if any(r.spec_token_ids
+                                                             for r in p.running)]
+    assert drafted and max(drafted) < 8

@@ -332,12 +332,32 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t k
                 "rows, bases, caps, lens and slots must be int64 vectors of one length");
 }
 
+// The per-sequence indices, checked before any write: a row past the tokens, a length
+// of 0 (the new token is always a key) or past its buffer's capacity, or a slot past the
+// paged cache would write out of bounds, so each is an error, not undefined behaviour.
+void check_rows(const at::Tensor& rows, const at::Tensor& caps, const at::Tensor& lens,
+                const at::Tensor& slots, int64_t num_tokens, const at::Tensor& k_cache) {
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* cap = caps.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t b = 0; b < rows.size(0); ++b) {
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_tokens, "rows[", b, "] = ", row[b],
+                " is not a token row (", num_tokens, " tokens)");
+    TORCH_CHECK(len[b] >= 1 && len[b] <= cap[b], "lens[", b, "] = ", len[b],
+                " must be in 1..caps[", b, "] = ", cap[b]);
+    TORCH_CHECK(slot[b] >= -1 && slot[b] < num_slots, "slots[", b, "] = ", slot[b],
+                " is outside the paged cache (", num_slots, " slots)");
+  }
+}
+
 // For each decoding sequence b: write k_new[rows[b]] and v_new[rows[b]] as its token
 // lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype)
 // and at slots[b] of the paged cache (skipped when -1), then out[rows[b]] = attention
 // of q[rows[b]] over its first lens[b] keys and values (the last `window` of them when
-// window > 0: sliding-window attention; 0: all). The caller guarantees the
-// buffers (cpu_attention.CpuKVStore), lens[b] <= caps[b] and the slots.
+// window > 0: sliding-window attention; 0: all). The caller guarantees the buffers
+// (cpu_attention.CpuKVStore); rows, lens and slots are checked (check_rows).
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
                       const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
                       const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
@@ -351,6 +371,9 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
   TORCH_CHECK(v_new.size(1) == kv_heads, "k_new and v_new must have the same heads");
   check_cache(k_cache, v_cache, kv_heads, d, q.scalar_type(), rows,
               {&rows, &bases, &caps, &lens, &slots});
+  TORCH_CHECK(k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
+                  out.size(0) == q.size(0), "out, q, k_new and v_new must have one row count");
+  check_rows(rows, caps, lens, slots, q.size(0), k_cache);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim must be at most 256");
@@ -394,6 +417,7 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
               "decode_attention_qkv runs in float32 or bfloat16");
   check_cache(k_cache, v_cache, kv_heads, d, qkv.scalar_type(), rows,
               {&rows, &bases, &caps, &lens, &slots});
+  check_rows(rows, caps, lens, slots, qkv.size(0), k_cache);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == qkv.size(0),
               "positions must be int64, one per token");
