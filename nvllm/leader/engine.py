@@ -33,6 +33,7 @@ from nvllm.common.config import EngineConfig
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.structured_outputs import StructuredOutputsParams
+from nvllm.leader.draft_proposer import DraftModelProposer
 from nvllm.leader.executor import Executor
 from nvllm.leader.grammar import CompiledGrammar, GrammarService, WorkerGrammars
 from nvllm.leader.input_processor import InputProcessor
@@ -86,9 +87,11 @@ class LLMEngine:
             self.capacity_tokens / config.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.model_info.kv_window)
-        proposer = None
+        proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative_config is not None:
-            proposer = NgramProposer(config.speculative_config)
+            proposer = (DraftModelProposer(config.speculative_config)
+                        if config.speculative_config.uses_draft_model
+                        else NgramProposer(config.speculative_config))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_plan_bytes, proposer)
         spec = config.speculative_config

@@ -120,15 +120,14 @@ def run_steps(llm, prompts, params):
     return [done[f"q{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_equal_with_speculation(tiny, tp):
+def reference(model: str, kw: dict):
+    """The batch and its outputs with speculation off. Requests 1 and 2 stop at a stop
+    string / stop token their first reference output produced mid-way (so a speculative
+    run meets them inside accepted runs)."""
     from transformers import AutoTokenizer
 
-    model = tiny("qwen3")
     tok = AutoTokenizer.from_pretrained(model)
     prompts, params = requests(tok)
-    # stop strings: cut at text the reference produced (found below), inside accepted runs
-    kw = dict(device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp, **STRESS)
     with LLM(model, **kw) as llm:
         base = generate(llm, prompts, params)
         text = base[1][0][1]
@@ -137,9 +136,19 @@ def test_greedy_equal_with_speculation(tiny, tp):
         params[2] = SamplingParams(temperature=0.0, max_tokens=32,
                                    stop_token_ids=[base[2][0][0][17]])
         base = generate(llm, prompts, params)
-        refs = {}
-        for p, outs in zip(prompts, base):
-            refs.setdefault(tuple(p), [o[0] for o in outs])
+    assert base[1][0][2] == "stop" and base[2][0][2] == "stop"
+    assert base[4][0][1] in SCHEMA_CHOICES
+    return prompts, params, base
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equal_with_speculation(tiny, tp):
+    model = tiny("qwen3")
+    kw = dict(device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp, **STRESS)
+    prompts, params, base = reference(model, kw)
+    refs = {}
+    for p, outs in zip(prompts, base):
+        refs.setdefault(tuple(p), [o[0] for o in outs])
     spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     with LLM(model, speculative_config=spec, **kw) as llm:
         assert llm.engine._depth == 1  # async where nothing may propose
@@ -157,8 +166,39 @@ def test_greedy_equal_with_speculation(tiny, tp):
         assert st.num_accepted_tokens < st.num_draft_tokens - ngram
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv.stats.hits > 0
-    assert base[1][0][2] == "stop" and base[2][0][2] == "stop"
-    assert base[4][0][1] in SCHEMA_CHOICES
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equal_with_a_draft_model(tiny, tmp_path, tp):
+    """Draft-model speculative decoding (rank 0 runs the draft, nvllm/worker/draft_runner.py)
+    under the same stress: outputs equal speculation off token for token, the KV
+    accounting holds after every step. Drafts come from the target cut to its first layer
+    (some accepted: a random model's layers agree now and then) and, at tp 1, from the
+    target itself: its drafts are the target's own greedy tokens, so nearly all are
+    accepted, which holds only if the draft's KV (written beside the target's, in the same
+    blocks, through prefix hits, chunked prefill and recompute after preemption) is
+    right."""
+    from nvllm.launch.truncate import truncate_checkpoint
+
+    model = tiny("qwen3")
+    kw = dict(device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp, **STRESS)
+    prompts, params, base = reference(model, kw)
+    drafts = [str(truncate_checkpoint(model, tmp_path / "draft", 1))]
+    if tp == 1:
+        drafts.append(model)
+    for draft in drafts:
+        spec = {"model": draft, "num_speculative_tokens": 3}
+        with LLM(model, speculative_config=spec, **kw) as llm:
+            got = run_steps(llm, prompts, params)
+            same(got, base)
+            st = llm.engine.scheduler.spec_stats
+            eng = llm.engine
+            assert eng.scheduler.num_preemptions > 0 and eng.kv.stats.hits > 0
+        rate = st.num_accepted_tokens / st.num_draft_tokens
+        if draft == model:
+            assert rate > 0.9, (st.num_accepted_tokens, st.num_draft_tokens)
+        else:
+            assert st.num_accepted_tokens > 0 and rate < 0.9
 
 
 def test_seeded_sampling_reproducible_with_speculation(tiny):

@@ -1,0 +1,116 @@
+"""The draft model of draft-model speculative decoding, on rank 0.
+
+Where it runs. The whole draft model lives on rank 0 (a single-rank TPContext): rank 0
+alone samples, verifies and reports drafts, so a replica on every rank would compute the
+same drafts tp times over, and sharding a small draft would put an all-reduce per layer
+on every draft token (a draft's point is to be cheaper than the target). The other ranks
+finish their step and wait for the next plan meanwhile. What it costs is rank 0's memory:
+its KV bytes per block include the draft's layers (``block_bytes``), so the engine's block
+count, the smallest any rank fits, accounts for them. A draft too big for one device
+would want sharding like the target; that is not built.
+
+Its KV cache. The draft's paged cache has the target's block ids and slot mapping: the
+leader's block table serves both, so there is no second block manager and the draft's KV
+lives in the same block budget. It holds draft KV for every token the target computed:
+after the target's forward of each step, ``forward`` runs the draft over the same input
+rows (prefill chunks, recomputes after preemption or a worker restart, decodes, verify
+rows), writing at the same slots. Prefix-cache hits share blocks that hold both models'
+KV, since every step that wrote one wrote the other. Rejected drafts leave stale KV in
+both caches past the computed tokens, which later steps overwrite.
+
+Drafting. ``propose``: for each sequence that sampled, k greedy decode steps from its
+newest token (position p, not computed yet), batched over the sequences; step i writes
+the draft's KV at position p + i. Those slots lie past the step's tokens: the scheduler
+reserves them (lookahead slots), and drafting stops where a sequence's blocks end (or at
+max_model_len), so nothing is written outside its own blocks. The next step's draft
+forward rewrites p onwards with the tokens actually verified.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nvllm.common.config import EngineConfig, ModelInfo
+from nvllm.common.model_source import resolve_model_source
+from nvllm.common.speculative import SpeculativeConfig
+from nvllm.kernels.metadata import cdiv, metadata_from_arrays
+from nvllm.worker.input_batch import InputBatch, StepBatch
+from nvllm.worker.layers.linear import pack_for_cpu
+from nvllm.worker.loader import load_weights
+from nvllm.worker.models import MODEL_REGISTRY
+from nvllm.worker.parallel import TPContext
+
+
+class DraftRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 backend: str) -> None:
+        from transformers import AutoConfig
+
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        source = resolve_model_source(spec.model)
+        self.info = ModelInfo.from_pretrained(source.config_dir)
+        hf_config = AutoConfig.from_pretrained(source.config_dir)
+        self.device, self.dtype = device, dtype
+        self.max_model_len = max(config.max_model_len, 1)
+        with torch.device(device):
+            self.model = MODEL_REGISTRY[self.info.architecture](
+                hf_config, TPContext(), dtype, self.max_model_len, backend,
+                self.info.layer_windows)
+        self.load_stats = load_weights(self.model, source, show_progress=False)
+        self.model.eval()
+        if device.type == "cpu" and config.cpu_onednn_linear:
+            pack_for_cpu(self.model)
+        attn0 = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+        self.kv_cache: torch.Tensor | None = None
+
+    def block_bytes(self, block_size: int) -> int:
+        """The draft's KV bytes per block (its layers, at the target's block size)."""
+        return (2 * len(self.model.layers) * block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """The draft's paged cache, indexed by the target's block ids."""
+        self.kv_cache = torch.zeros(2, len(self.model.layers), num_blocks, block_size,
+                                    self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                                    device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+            layer.self_attn.attn.layer_idx = i
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def forward(self, step: StepBatch) -> None:
+        """The draft's KV for the step's tokens, at the target's slots (its hidden states
+        are not needed: drafting starts from each sequence's newest token)."""
+        meta = metadata_from_arrays(step.slot_mapping, step.cu_seqlens_q, step.seq_lens,
+                                    step.block_tables, self.device)
+        self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
+
+    def propose(self, batch: InputBatch, rows: np.ndarray, k: int) -> list[list[int]]:
+        """Up to k greedy drafts per row (after its newest known token), each row's cut
+        where its blocks or max_model_len end."""
+        bs = batch.block_size
+        rows = np.asarray(rows, np.int64)
+        pos0 = batch.num_tokens[rows] - 1  # the newest token: its KV is not written yet
+        room = np.minimum(batch.num_blocks_per_row[rows] * bs, self.max_model_len) - pos0
+        kk = np.clip(room, 0, k)
+        out = np.zeros((len(rows), k), np.int64)
+        cur = batch.token_ids[rows, pos0].astype(np.int64)
+        for i in range(int(kk.max(initial=0))):
+            act = np.flatnonzero(kk > i)
+            r, pos = rows[act], pos0[act] + i
+            slots = batch.block_table[r, pos // bs].astype(np.int64) * bs + pos % bs
+            lens = (pos + 1).astype(np.int32)
+            tables = batch.block_table[r, :cdiv(int(lens.max()), bs)]
+            meta = metadata_from_arrays(slots, np.arange(len(act) + 1, dtype=np.int32),
+                                        lens, tables, self.device)
+            hidden = self.model(self._tensor(cur[act]), self._tensor(pos), meta)
+            tok = self.model.compute_logits(hidden).argmax(-1).cpu().numpy()
+            out[act, i] = tok
+            cur[act] = tok
+        return [out[j, :kk[j]].tolist() for j in range(len(rows))]
