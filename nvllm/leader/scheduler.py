@@ -188,7 +188,8 @@ class Scheduler:
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 i += 1
-                out.num_draft_tokens = la
+                if extra:  # it will draft: the plan asks rank 0 for drafts
+                    out.num_draft_tokens = la
                 continue
             # seq preempted itself; sequences after it may still fit in what is left
         if out.preempted:
@@ -217,7 +218,8 @@ class Scheduler:
             extra = self._lookahead(seq, self.kv.hit_tokens(hits), n, la)
             if not self._allocate(seq, n, extra, hits):
                 break
-            out.num_draft_tokens = la
+            if extra:
+                out.num_draft_tokens = la
             seq.num_computed_tokens = self.kv.hit_tokens(hits)
             if not seq.wants_prompt_logprobs:
                 self.kv.record_lookup(seq)

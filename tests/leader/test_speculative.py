@@ -263,12 +263,15 @@ def test_draft_model_outputs_equal_speculation_off(make_engine, tokenizer, tiny,
 
 
 def test_draft_model_drafts_come_from_the_previous_result(make_engine, tokenizer, tiny):
-    """Each plan asks for k drafts, and every draft run a plan verifies is the one the
-    workers drafted for that sequence in the plan before (cut to what fits max_tokens)."""
+    """Each plan asks for k drafts (none where the sequence cannot use them), and every
+    draft run a plan verifies is the one the workers drafted for that sequence in the plan
+    before (cut to what fits max_tokens)."""
     engine, workers = make_engine(copy_model, speculative_config=draft_spec(tiny))
     run_checked(engine, workers, tokenizer, max_tokens=30)
     plans = workers.plans
-    assert {p.num_draft_tokens for p in plans if p.new_seqs or p.running} == {4}
+    asked = [p.num_draft_tokens for p in plans if p.new_seqs or p.running]
+    # k, until the step that computes the last position a token can follow
+    assert asked[:-1] == [4] * (len(asked) - 1) and asked[-1] in (0, 4)
     verified = 0
     for i, plan in enumerate(plans):
         for r in plan.running:
