@@ -11,6 +11,9 @@ output, with a wrong token planted now and then (partial acceptance)."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
@@ -104,13 +107,18 @@ def kv_ok(llm) -> None:
     assert kv.num_free_blocks == users.count(0)
 
 
-def run_steps(llm, prompts, params):
-    """Generate step by step (engine API), checking KV accounting after every step."""
+def run_steps(llm, prompts, params, kill_at: int | None = None):
+    """Generate step by step (engine API), checking KV accounting after every step;
+    `kill_at`: SIGKILL rank 0 before that step (the engine must restart its workers)."""
     eng = llm.engine
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.submit(prompt_token_ids=p, params=sp, request_id=f"q{i}")
     done = {}
+    steps = 0
     while eng.has_unfinished_requests():
+        if steps == kill_at:
+            os.kill(llm.worker_pids[0], signal.SIGKILL)
+        steps += 1
         out = eng.step()
         kv_ok(llm)
         for r in out.finished:
@@ -176,8 +184,8 @@ def test_greedy_equal_with_a_draft_model(tiny, tmp_path, tp):
     (some accepted: a random model's layers agree now and then) and, at tp 1, from the
     target itself: its drafts are the target's own greedy tokens, so nearly all are
     accepted, which holds only if the draft's KV (written beside the target's, in the same
-    blocks, through prefix hits, chunked prefill and recompute after preemption) is
-    right."""
+    blocks, through prefix hits, chunked prefill, recompute after preemption, and replay
+    after rank 0, which holds the draft, is killed mid-run) is right."""
     from nvllm.launch.truncate import truncate_checkpoint
 
     model = tiny("qwen3")
@@ -188,12 +196,15 @@ def test_greedy_equal_with_a_draft_model(tiny, tmp_path, tp):
         drafts.append(model)
     for draft in drafts:
         spec = {"model": draft, "num_speculative_tokens": 3}
-        with LLM(model, speculative_config=spec, **kw) as llm:
-            got = run_steps(llm, prompts, params)
+        restart = draft == model
+        with LLM(model, speculative_config=spec, restart_workers=restart, **kw) as llm:
+            got = run_steps(llm, prompts, params, kill_at=12 if restart else None)
             same(got, base)
             st = llm.engine.scheduler.spec_stats
             eng = llm.engine
             assert eng.scheduler.num_preemptions > 0 and eng.kv.stats.hits > 0
+            if restart:  # the kill did happen, and the group was replaced once
+                assert eng.executor.restarts_left == eng.config.max_worker_restarts - 1
         rate = st.num_accepted_tokens / st.num_draft_tokens
         if draft == model:
             assert rate > 0.9, (st.num_accepted_tokens, st.num_draft_tokens)
