@@ -11,6 +11,7 @@ import torch
 
 from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig
+from nvllm.common.speculative import SpeculativeConfig
 from nvllm.common.transport import ArrayReader
 from nvllm.common.utils import cdiv
 from nvllm.kernels.cpu_attention import CpuKVStore
@@ -97,8 +98,8 @@ class ModelRunner:
         # Draft-model speculative decoding: the draft lives on rank 0 only (draft_runner).
         spec = config.speculative_config
         self.draft: DraftRunner | None = None
-        if tp.rank == 0 and spec is not None and (
-                spec["method"] if isinstance(spec, dict) else spec.method) == "draft_model":
+        if (tp.rank == 0 and spec is not None
+                and SpeculativeConfig.from_dict(spec).uses_draft_model):
             self.draft = DraftRunner(config, device, self.dtype, self.backend)
 
     # ---- KV cache -------------------------------------------------------------------
