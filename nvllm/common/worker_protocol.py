@@ -136,9 +136,12 @@ class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
     running_cols: RunningSeqs = msgspec.field(default_factory=RunningSeqs)
     finished_ids: list[NonNeg] = []
     # Draft-model speculative decoding: after this step, rank 0 proposes up to this many
-    # draft tokens (greedy, from the draft model) for each sequence that sampled, within
-    # the slots its block table holds (the scheduler reserves them); 0: none.
+    # draft tokens (greedy, from the draft model) for each sequence of draft_seq_ids that
+    # sampled, within the slots its block table holds (the scheduler reserves them); 0:
+    # none. Sequences not listed (paused for low acceptance, at their length limit) get
+    # none.
     num_draft_tokens: NonNeg = 0
+    draft_seq_ids: list[NonNeg] = []
     KIND: ClassVar[int] = 1
 
     @classmethod

@@ -1,7 +1,8 @@
 """The draft-model proposer's leader side: it hands out the drafts rank 0 sent back.
 
 The draft model runs on rank 0 (nvllm/worker/draft_runner.py): after each step it drafts
-up to ``StepPlan.num_draft_tokens`` tokens for every sequence that sampled, and the step's
+up to ``StepPlan.num_draft_tokens`` tokens for every sequence that sampled among those the
+plan lists (``draft_seq_ids``: those given lookahead slots), and the step's
 result carries them (``StepResult.draft_token_ids``). The scheduler gives them to
 ``receive`` as it appends the step's tokens; the next plan takes them through ``propose``,
 exactly where the n-gram proposer's drafts go, so lookahead, verification, rollback, the

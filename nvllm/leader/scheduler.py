@@ -56,9 +56,10 @@ class SchedulerOutput:
     sampling_seq_ids: set[int] = field(default_factory=set)
     # Speculative decoding: draft tokens per sequence id (each scheduled for 1 + drafts).
     spec_tokens: dict[int, np.ndarray] = field(default_factory=dict)
-    # Draft-model proposer: drafts rank 0 makes after this step for each sequence that
-    # samples (StepPlan.num_draft_tokens); 0: none.
+    # Draft-model proposer: drafts rank 0 makes after this step for each sequence of
+    # draft_seq_ids that samples (StepPlan.num_draft_tokens); 0: none.
     num_draft_tokens: int = 0
+    draft_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -188,8 +189,9 @@ class Scheduler:
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 i += 1
-                if extra:  # it will draft: the plan asks rank 0 for drafts
+                if extra:  # it will draft: the plan asks rank 0 for its drafts
                     out.num_draft_tokens = la
+                    out.draft_seq_ids.append(seq.seq_id)
                 continue
             # seq preempted itself; sequences after it may still fit in what is left
         if out.preempted:
@@ -220,6 +222,7 @@ class Scheduler:
                 break
             if extra:
                 out.num_draft_tokens = la
+                out.draft_seq_ids.append(seq.seq_id)
             seq.num_computed_tokens = self.kv.hit_tokens(hits)
             if not seq.wants_prompt_logprobs:
                 self.kv.record_lookup(seq)

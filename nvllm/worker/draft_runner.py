@@ -18,7 +18,8 @@ rows), writing at the same slots. Prefix-cache hits share blocks that hold both 
 KV, since every step that wrote one wrote the other. Rejected drafts leave stale KV in
 both caches past the computed tokens, which later steps overwrite.
 
-Drafting. ``propose``: for each sequence that sampled, k greedy decode steps from its
+Drafting. ``propose``: for each sequence that sampled and that the plan lists
+(``StepPlan.draft_seq_ids``: not paused for low acceptance), k greedy decode steps from its
 newest token (position p, not computed yet), batched over the sequences; step i writes
 the draft's KV at position p + i. Those slots lie past the step's tokens: the scheduler
 reserves them (lookahead slots), and drafting stops where a sequence's blocks end (or at
@@ -90,6 +91,17 @@ class DraftRunner:
         meta = metadata_from_arrays(step.slot_mapping, step.cu_seqlens_q, step.seq_lens,
                                     step.block_tables, self.device)
         self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
+
+    def propose_for(self, batch: InputBatch, seq_ids: np.ndarray, rows: np.ndarray,
+                    asked: list[int], k: int) -> list[list[int]]:
+        """Drafts for the sampling rows (`seq_ids`, `rows`) whose sequence is in `asked`
+        (the plan's draft_seq_ids), an empty list for the others."""
+        ask = np.isin(seq_ids, np.asarray(asked, np.int64))
+        out: list[list[int]] = [[] for _ in range(len(rows))]
+        if ask.any():
+            for j, d in zip(np.flatnonzero(ask).tolist(), self.propose(batch, rows[ask], k)):
+                out[j] = d
+        return out
 
     def propose(self, batch: InputBatch, rows: np.ndarray, k: int) -> list[list[int]]:
         """Up to k greedy drafts per row (after its newest known token), each row's cut

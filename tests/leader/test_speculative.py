@@ -280,3 +280,24 @@ def test_draft_model_drafts_come_from_the_previous_result(make_engine, tokenizer
                 assert d == workers.drafts[i - 1][r.seq_id][:len(d)]
                 verified += 1
     assert verified > 3
+
+
+def test_draft_model_paused_sequences_draft_nothing(make_engine, tokenizer, tiny):
+    """A sequence paused for low acceptance is not drafted for (its plans leave it out of
+    draft_seq_ids, and rank 0 drafts only for those listed), so pausing saves the draft
+    model's work too; the engine then goes back to async scheduling where allowed."""
+    def stray(sid, fs):  # prompt tokens, but never in the prompt's order
+        prompt = fs.token_ids[:fs.num_prompt_tokens]
+        return prompt[3 * (len(fs.token_ids) - fs.num_prompt_tokens) % len(prompt)]
+
+    spec = dict(draft_spec(tiny), min_acceptance_rate=0.5, retry_after_tokens=1000)
+    engine, workers = make_engine(stray, speculative_config=spec)
+    workers.draft_wrong = 1  # every draft wrong
+    run_checked(engine, workers, tokenizer, max_tokens=60)
+    st = engine.scheduler.spec_stats
+    assert 0 < st.num_drafts < 10 and st.num_accepted_tokens == 0
+    asked = [bool(p.draft_seq_ids) for p in workers.plans if p.new_seqs or p.running]
+    first_off = asked.index(False)
+    assert first_off < 12 and not any(asked[first_off:])
+    assert workers.num_drafted == sum(len(d) for ds in workers.drafts for d in ds.values())
+    assert not any(workers.drafts[first_off + 1:])

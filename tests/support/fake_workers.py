@@ -204,18 +204,23 @@ class FakeWorkers:
         self.accepted += [(sid, d, n - 1) for sid, d, n in zip(seq_ids, spec, counts) if d]
         # As the sampler: a list (None for rows that did not ask) when any row asked.
         lps = logprobs if any(x is not None for x in logprobs) else None
-        drafts = (self._draft(seq_ids, rows, plan.num_draft_tokens)
+        drafts = (self._draft(seq_ids, rows, plan.num_draft_tokens, plan.draft_seq_ids)
                   if plan.num_draft_tokens else None)
         self.drafts.append(dict(zip(seq_ids, drafts or [])))
         return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001,
                                    prompt_lps or None,
                                    counts if any(c != 1 for c in counts) else None, drafts)
 
-    def _draft(self, seq_ids: list[int], rows: list[int], k: int) -> list[list[int]]:
-        """As DraftRunner.propose: up to k drafts per row from its newest token, at
-        positions p.. (p: the newest token's), cut where the row's blocks end."""
+    def _draft(self, seq_ids: list[int], rows: list[int], k: int, asked: list[int]
+               ) -> list[list[int]]:
+        """As DraftRunner.propose_for: for the rows of the `asked` sequences, up to k
+        drafts from its newest token, at positions p.. (p: the newest token's), cut where
+        the row's blocks end; none for the others."""
         b, writes, out = self.batch, [], []
         for sid, row in zip(seq_ids, rows):
+            if sid not in asked:
+                out.append([])
+                continue
             fs = FakeSeq.of(b, row)
             p = len(fs.token_ids) - 1
             kk = max(0, min(k, len(fs.block_table) * BLOCK - p))
