@@ -253,11 +253,8 @@ class ModelRunner:
         else:
             result = self._sample(plan, step, hidden, prompt_lps, t0)
         if self.draft is not None:  # rank 0: the draft's KV, then its proposals
-            self.draft.forward(step)
-            if plan.num_draft_tokens and len(step.sample_idx):
-                result.draft_token_ids = self.draft.propose_for(
-                    self.batch, step.seq_ids[step.sample_idx], step.rows[step.sample_idx],
-                    plan.draft_seq_ids, plan.num_draft_tokens)
+            result.draft_token_ids = self.draft.run(step, self.batch, plan.draft_seq_ids,
+                                                    plan.num_draft_tokens)
             result.worker_time_s = time.perf_counter() - t0
         return result
 

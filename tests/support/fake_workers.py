@@ -106,7 +106,7 @@ class FakeWorkers:
         # Draft-model speculative decoding (plans with num_draft_tokens): a fake draft
         # model drafts the script's continuation, wrong at every draft_wrong-th draft;
         # draft_writes: each step's (seq id, position, slot) the draft's KV went to, as
-        # DraftRunner.propose writes them (within the row's blocks only).
+        # DraftRunner.run writes them (within the row's blocks only).
         self.draft_wrong = 3
         self.num_drafted = 0
         self.draft_writes: list[list[tuple[int, int, int]]] = []
@@ -213,7 +213,7 @@ class FakeWorkers:
 
     def _draft(self, seq_ids: list[int], rows: list[int], k: int, asked: list[int]
                ) -> list[list[int]]:
-        """As DraftRunner.propose_for: for the rows of the `asked` sequences, up to k
+        """As DraftRunner.run: for the rows of the `asked` sequences, up to k
         drafts from its newest token, at positions p.. (p: the newest token's), cut where
         the row's blocks end; none for the others."""
         b, writes, out = self.batch, [], []

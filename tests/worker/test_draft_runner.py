@@ -31,19 +31,24 @@ def runner(tiny, max_model_len: int = 64):
 
 
 @torch.inference_mode()
-def prefill_and_draft(r, blocks: list[int], k: int = 4) -> tuple[list[int], torch.Tensor]:
-    """The draft's forward over PROMPT (as after the target's prefill step), NEWEST
-    appended, then k drafts; returns them and which [block, offset] slots changed."""
+def prefill_and_draft(r, blocks: list[int], k: int = 4, merge: bool = True
+                      ) -> tuple[list[int], set[tuple[int, int]]]:
+    """The prefill step of PROMPT with the target's token NEWEST appended (as the model
+    runner has it after sampling), then DraftRunner.run; returns the drafts and the
+    (block, offset) slots whose draft KV changed."""
     b = InputBatch(4, 64, 16, BS, 1024, 16)
     step = b.apply(protocol.StepPlan.of(
         1, [protocol.NewSeq(1, PROMPT, len(PROMPT), 0, len(PROMPT), blocks)], [], []))
-    r.forward(step)
-    rows = step.rows[step.sample_idx]
-    b.append_sampled(rows, np.array([NEWEST]))
+    b.append_sampled(step.rows[step.sample_idx], np.array([NEWEST]))
     before = r.kv_cache.clone()
-    drafts = r.propose(b, rows, k)[0]
+    drafts = r.run(step, b, [1], k, merge)[0]
     changed = (r.kv_cache != before).any(-1).any(-1).any(0).any(0)  # [blocks, BS]
-    return drafts, changed
+    return drafts, {tuple(x) for x in changed.nonzero().tolist()}
+
+
+def slots(blocks: list[int], n: int) -> set[tuple[int, int]]:
+    """The (block, offset) slots of positions 0..n-1."""
+    return {(blocks[p // BS], p % BS) for p in range(n)}
 
 
 def hf_greedy(model: str, n: int) -> list[int]:
@@ -57,14 +62,26 @@ def hf_greedy(model: str, n: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_drafts_are_the_greedy_continuation(tiny):
+@pytest.mark.parametrize("merge", [True, False])
+def test_drafts_are_the_greedy_continuation(tiny, merge):
+    """`merge`: the newest token joins the step's draft pass (a decode row) or gets a
+    decode step of its own (as a verify row whose drafts were rejected): same drafts."""
     r = runner(tiny)
-    drafts, changed = prefill_and_draft(r, [5, 2, 9, 11])  # room for positions 10..15
+    blocks = [5, 2, 9, 11]  # room for positions 0..15
+    drafts, changed = prefill_and_draft(r, blocks, merge=merge)
     assert drafts == hf_greedy(tiny("qwen3"), 4)
-    # positions 10..13: block 9 offsets 2, 3, then block 11 offsets 0, 1
-    want = torch.zeros_like(changed)
-    want[9, 2:] = want[11, :2] = True
-    assert changed.equal(want)
+    assert changed == slots(blocks, len(PROMPT) + 4)  # the prompt's, then 10..13
+
+
+def test_no_drafts_for_sequences_not_asked(tiny):
+    r = runner(tiny)
+    b = InputBatch(4, 64, 16, BS, 1024, 16)
+    step = b.apply(protocol.StepPlan.of(
+        1, [protocol.NewSeq(1, PROMPT, len(PROMPT), 0, len(PROMPT), [5, 2, 9])], [], []))
+    b.append_sampled(step.rows[step.sample_idx], np.array([NEWEST]))
+    with torch.inference_mode():
+        assert r.run(step, b, [2], 4) == [[]]
+        assert r.run(step, b, [1], 0) is None
 
 
 @pytest.mark.parametrize("blocks,max_len,n", [
@@ -76,6 +93,4 @@ def test_drafts_stop_where_the_blocks_or_the_length_end(tiny, blocks, max_len, n
     r = runner(tiny, max_len)
     drafts, changed = prefill_and_draft(r, blocks)
     assert len(drafts) == n
-    assert int(changed.sum()) == n  # one slot per draft step, inside the row's blocks
-    if n:
-        assert changed[9, 2:2 + n].all()
+    assert changed == slots(blocks, len(PROMPT) + n)  # nothing outside the row's blocks
