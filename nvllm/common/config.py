@@ -198,10 +198,11 @@ class EngineConfig:
     speculative_config: Any = _setting(
         None, "Speculative decoding, as vLLM's speculative_config: a map (LLM) or its JSON "
               "(the flag), e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}. Keys and defaults: "
-              "nvllm/common/speculative.py. Steps in which a sequence may propose drafts "
-              "run synchronously (no async scheduling), as vLLM does for its n-gram "
-              "proposer.", json=True)
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or a draft model: "
+              "{\"model\": PATH, \"num_speculative_tokens\": 4} (same vocabulary as the "
+              "target). Keys and defaults: nvllm/common/speculative.py. Steps in which a "
+              "sequence may propose drafts run synchronously (no async scheduling), as vLLM "
+              "does for its n-gram proposer.", json=True)
     enable_expert_parallel: bool = _setting(
         False, "MoE models: each rank holds whole experts (contiguous ranges, uneven when "
                "tensor_parallel_size does not divide their number) instead of a share "
@@ -356,6 +357,8 @@ class EngineConfig:
             from nvllm.common.speculative import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.speculative_config.uses_draft_model:
+                check_draft_model(self.speculative_config, info)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -363,6 +366,29 @@ class EngineConfig:
         d.pop("model_info")
         d.pop("source")
         return d
+
+
+def check_draft_model(spec: Any, target: ModelInfo) -> ModelInfo:
+    """Resolve a draft model's checkpoint (``spec.model`` becomes its absolute path, as
+    the workers read it) and refuse one the target cannot verify: another vocabulary
+    (draft token ids must mean the target's tokens), or attention that reads further back
+    than the target's sliding window (the leader frees blocks behind that window, and the
+    draft's KV lives in the same blocks). Returns the draft's ModelInfo."""
+    spec.model = str(Path(spec.model).expanduser().resolve())
+    source = resolve_model_source(spec.model, None)
+    info = ModelInfo.from_pretrained(source.config_dir)
+    if info.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft model's vocabulary has {info.vocab_size} "
+            f"tokens but the target's has {target.vocab_size}; a draft model must share "
+            f"the target's vocabulary ({spec.model})")
+    window = target.kv_window
+    if window is not None and (info.kv_window is None or info.kv_window > window):
+        raise ValueError(
+            f"speculative_config.model: the target slides every layer (window {window}), "
+            f"so blocks behind the window are freed; the draft model must slide too, by "
+            f"at most {window} (its window: {info.kv_window})")
+    return info
 
 
 def engine_default(name: str) -> Any:

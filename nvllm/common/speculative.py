@@ -5,22 +5,32 @@
 --speculative-config JSON`` both arrive here (``SpeculativeConfig.from_dict``): every key is
 checked, an unknown one is an error, and an error names the field and its limit.
 
-Methods. ``ngram`` (prompt lookup) is implemented: the leader proposes, for each decoding
-sequence, the tokens that followed the most recent earlier occurrence of its last n tokens
+Methods. ``ngram`` (prompt lookup): the leader proposes, for each decoding sequence, the
+tokens that followed the most recent earlier occurrence of its last n tokens
 (nvllm/leader/ngram_proposer.py), the workers verify them in the step's forward and rank 0
 accepts or rejects them (nvllm/worker/rejection_sampler.py). ``draft_model`` (a ``model``
-key implies it, as in vLLM) is recognised and refused until it exists.
+key implies it, as in vLLM): rank 0 runs a small model with the target's vocabulary
+(nvllm/worker/draft_runner.py, its KV in the target's blocks) and, after each step, k
+greedy draft steps for every sequence that sampled; the drafts ride back in the step's
+result (``StepResult.draft_token_ids``) and the leader's DraftModelProposer
+(nvllm/leader/draft_proposer.py) puts them in the next plan where n-gram drafts go, so
+verification, rollback and stop handling are shared. Greedy drafts are a point-mass q:
+the rejection sampler then keeps the target's distribution exactly. The scheduler
+reserves k lookahead slots per sampling sequence for the draft's KV (``_lookahead``).
 
-Adding a method (EAGLE/MTP heads, suffix decoding, a draft model): name it in ``METHODS``,
-give it a proposer that returns up to k draft tokens per decoding sequence (and, for a
-proposer with a distribution, its draft probabilities: the rejection sampler already takes
-a general q), and decide where it runs. A leader-side proposer (n-gram, suffix decoding)
-plugs into ``Scheduler(proposer=...)`` as the n-gram one does; a model-based one (draft
-model, EAGLE/MTP) runs on the workers, which then fill the plan's draft columns
-themselves from rank 0's proposals before the verify forward (the wire and the batch
-state already carry drafts per running sequence, ``RunningSeqs.spec_token_ids``).
+Adding a method (EAGLE/MTP heads, suffix decoding): name it in ``METHODS``, give it a
+proposer with the leader's interface (``eligible``, ``propose``, ``observe``, ``drop``;
+nvllm/leader/draft_proposer.py is the model-based example) that returns up to k draft
+tokens per decoding sequence (and, for a proposer with a distribution, its draft
+probabilities: the rejection sampler already takes a general q, which would have to
+travel with the drafts), and decide where it runs. A leader-side proposer (n-gram, suffix
+decoding) plugs into ``Scheduler(proposer=...)`` as the n-gram one does; a model-based
+one (draft model, EAGLE/MTP heads, which would read the target's hidden states on rank 0)
+runs on rank 0 after the step, as the draft model does, and sends its drafts back with the
+result; ``needs_lookahead`` makes the scheduler reserve slots for KV it writes ahead.
 
-Async scheduling. The n-gram proposer on the leader needs each sequence's latest token,
+Async scheduling. The n-gram proposer on the leader needs each sequence's latest token
+(the draft model's drafts come with it),
 which under async scheduling is still in flight when the next plan is built; so while any
 running sequence may propose, the engine runs synchronously (depth 0), as vLLM does for
 its CPU n-gram proposer, and a plan with drafts is never left in flight. That costs the
@@ -42,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 64  # longest n-gram matched
 
@@ -59,7 +69,8 @@ class SpeculativeConfig:
     # prompt_lookup_min (vLLM: both default to 5; one given alone sets the other).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    # Draft model (not supported yet): its checkpoint.
+    # Draft model (method draft_model): its checkpoint (an HF folder or a .gguf file), with
+    # the target's vocabulary (EngineConfig.finalize checks it).
     model: str | None = None
     # Off (no sequence proposes) while more than this many sequences are running
     # (vLLM's knob, counted here over running sequences); None: never off.
@@ -120,9 +131,12 @@ class SpeculativeConfig:
         if self.method not in IMPLEMENTED:
             raise ValueError(f"speculative_config.method {self.method!r} is not supported "
                              f"yet (supported: {list(IMPLEMENTED)})")
-        if self.model is not None:
-            raise ValueError("speculative_config.model: a draft model is not supported yet "
-                             "(method 'ngram' takes no model)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model: method 'ngram' takes no model (a "
+                             "model implies method 'draft_model')")
+        if self.method == "draft_model" and (not isinstance(self.model, str)
+                                             or not self.model):
+            raise bad("model", "the draft model's checkpoint path (method 'draft_model')")
         k = self.num_speculative_tokens
         if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise bad("num_speculative_tokens", f"an integer in 1..{MAX_SPECULATIVE_TOKENS}")
@@ -167,3 +181,7 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"

@@ -135,6 +135,13 @@ class StepPlan(Struct, array_like=True, forbid_unknown_fields=True, tag=1):
     new_cols: NewSeqs = msgspec.field(default_factory=NewSeqs)
     running_cols: RunningSeqs = msgspec.field(default_factory=RunningSeqs)
     finished_ids: list[NonNeg] = []
+    # Draft-model speculative decoding: after this step, rank 0 proposes up to this many
+    # draft tokens (greedy, from the draft model) for each sequence of draft_seq_ids that
+    # sampled, within the slots its block table holds (the scheduler reserves them); 0:
+    # none. Sequences not listed (paused for low acceptance, at their length limit) get
+    # none.
+    num_draft_tokens: NonNeg = 0
+    draft_seq_ids: list[NonNeg] = []
     KIND: ClassVar[int] = 1
 
     @classmethod
@@ -265,6 +272,9 @@ class StepResult(Struct, array_like=True, forbid_unknown_fields=True, tag=11):
     # first + j (>= 1) given the tokens before it. None: no sequence asked.
     prompt_logprobs: list | None = None
     num_tokens: list[NonNeg] | None = None
+    # Draft-model proposals for the next step, one list per sequence of ``seq_ids`` (the
+    # plan's num_draft_tokens > 0; None otherwise), drafted after this step's tokens.
+    draft_token_ids: list[list[NonNeg]] | None = None
     KIND: ClassVar[int] = 11
 
     def per_seq(self) -> dict[int, tuple[list[int], list | None]]:

@@ -33,6 +33,7 @@ from nvllm.common.config import EngineConfig
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.structured_outputs import StructuredOutputsParams
+from nvllm.leader.draft_proposer import DraftModelProposer
 from nvllm.leader.executor import Executor
 from nvllm.leader.grammar import CompiledGrammar, GrammarService, WorkerGrammars
 from nvllm.leader.input_processor import InputProcessor
@@ -87,13 +88,15 @@ class LLMEngine:
             self.capacity_tokens / config.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.model_info.kv_window)
-        proposer = None
+        proposer: NgramProposer | DraftModelProposer | None = None
         # Speculation goes off by itself at batch sizes where it measurably lowers the
         # output rate (nvllm/leader/spec_gate.py).
         self.spec_gate: SpecGate | None = None
         self._step_tokens = 0  # output tokens of the results applied in this step
         if config.speculative_config is not None:
-            proposer = NgramProposer(config.speculative_config)
+            proposer = (DraftModelProposer(config.speculative_config)
+                        if config.speculative_config.uses_draft_model
+                        else NgramProposer(config.speculative_config))
             if config.speculative_config.measure_throughput:
                 self.spec_gate = SpecGate()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -138,6 +138,10 @@ class Executor:
         if r.logprobs is not None and (not isinstance(r.logprobs, list)
                                        or len(r.logprobs) != num):
             return "malformed logprobs"
+        d = r.draft_token_ids
+        if d is not None and (len(d) != len(r.seq_ids) or any(
+                not 0 <= t < self.vocab_size for ts in d for t in ts)):
+            return "malformed draft tokens"
         return None
 
     # ---- failures -------------------------------------------------------------------

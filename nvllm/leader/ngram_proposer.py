@@ -17,10 +17,10 @@ contexts of random tokens from a 1k vocabulary, window 1024, k 4, n 5..2): one
 ``propose`` call takes ~1.2 ms at 16 sequences and ~4.9 ms at 64 (~75 us per sequence),
 against a decode step of tens of ms on CPU.
 
-Adaptive state (per sequence, here, not on the ``Sequence``): an exponential moving average
+Adaptive state (per sequence, here, not on the ``Sequence``): ``AcceptanceGate``, which the
+draft-model proposer (nvllm/leader/draft_proposer.py) shares: an exponential moving average
 of the acceptance rate; under ``min_acceptance_rate`` the sequence stops proposing until it
-has generated ``retry_after_tokens`` more tokens (``observe``, ``eligible``: a function of
-its length, so a paused sequence resumes whether or not anyone asks meanwhile).
+has generated ``retry_after_tokens`` more tokens.
 """
 
 from __future__ import annotations
@@ -40,8 +40,46 @@ EMA_WEIGHT = 0.3  # of the newest verify step in a sequence's acceptance average
 class _SeqState:
     tokens: np.ndarray  # capacity-sized; the first n are the sequence's tokens
     n: int = 0
-    acceptance: float = 1.0  # EMA of accepted / drafted
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    value: float = 1.0  # EMA of accepted / drafted
     paused_until: int = 0  # its length (tokens) from which it may propose again
+
+
+class AcceptanceGate:
+    """The adaptive rule every proposer shares: per sequence, an exponential moving
+    average of its acceptance rate; under ``min_acceptance_rate`` it stops proposing until
+    it has generated ``retry_after_tokens`` more tokens (a function of its length, so a
+    paused sequence resumes whether or not anyone asks meanwhile)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._seqs: dict[int, _Acceptance] = {}
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Whether the sequence may propose (not paused for low acceptance); no side
+        effects."""
+        st = self._seqs.get(seq.seq_id)
+        return st is None or seq.num_tokens >= st.paused_until
+
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int,
+                num_tokens: int = 0) -> None:
+        """One verify step's outcome for a sequence (`num_tokens`: its length after it):
+        update its acceptance average and pause it below the threshold."""
+        if num_drafted <= 0:
+            return
+        st = self._seqs.setdefault(seq_id, _Acceptance())
+        st.value += EMA_WEIGHT * (num_accepted / num_drafted - st.value)
+        c = self.config
+        if st.value < c.min_acceptance_rate:
+            st.paused_until = (num_tokens + c.retry_after_tokens if c.retry_after_tokens
+                               else 1 << 62)
+            st.value = c.min_acceptance_rate  # a retry starts at the threshold
+
+    def drop(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
 
 
 def propose_ngram(tokens: np.ndarray, k: int, nmin: int, nmax: int) -> np.ndarray:
@@ -73,6 +111,7 @@ class NgramProposer:
         self.nmax = config.prompt_lookup_max
         self.window = config.lookup_window
         self._seqs: dict[int, _SeqState] = {}
+        self._gate = AcceptanceGate(config)
 
     def _state(self, seq: Sequence) -> _SeqState:
         st = self._seqs.get(seq.seq_id)
@@ -92,10 +131,8 @@ class NgramProposer:
         return st
 
     def eligible(self, seq: Sequence) -> bool:
-        """Whether the sequence may propose (not paused for low acceptance); no side
-        effects."""
-        st = self._seqs.get(seq.seq_id)
-        return st is None or seq.num_tokens >= st.paused_until
+        """Whether the sequence may propose (AcceptanceGate.eligible)."""
+        return self._gate.eligible(seq)
 
     def propose(self, seqs: list[Sequence], k: int) -> dict[int, np.ndarray]:
         """Draft tokens (up to k) per sequence id, for those with a match."""
@@ -112,20 +149,12 @@ class NgramProposer:
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int,
                 num_tokens: int = 0) -> None:
-        """One verify step's outcome for a sequence (`num_tokens`: its length after it):
-        update its acceptance average and pause it below the threshold."""
-        st = self._seqs.get(seq_id)
-        if st is None or num_drafted <= 0:
-            return
-        st.acceptance += EMA_WEIGHT * (num_accepted / num_drafted - st.acceptance)
-        c = self.config
-        if st.acceptance < c.min_acceptance_rate:
-            st.paused_until = (num_tokens + c.retry_after_tokens if c.retry_after_tokens
-                               else 1 << 62)
-            st.acceptance = c.min_acceptance_rate  # a retry starts at the threshold
+        """One verify step's outcome for a sequence (AcceptanceGate.observe)."""
+        self._gate.observe(seq_id, num_drafted, num_accepted, num_tokens)
 
     def drop(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self._gate.drop(seq_id)
 
 
 def _bench() -> None:  # pragma: no cover - a measurement, quoted in the docstring

@@ -54,7 +54,7 @@ class PlanBuilder:
         run = [(seq, n) for seq, n in sched.scheduled if seq.on_worker]
         return worker_protocol.StepPlan(
             next(self._step_ids), _new_columns(new), _running_columns(run, sched.spec_tokens),
-            list(finished_seq_ids))
+            list(finished_seq_ids), sched.num_draft_tokens, sched.draft_seq_ids)
 
 
 def _new_columns(new: list[tuple[Sequence, int]]) -> worker_protocol.NewSeqs:

@@ -18,7 +18,9 @@ takes a step's sampled tokens back: it appends them and finishes sequences that 
 token or their length limit. Sequences that leave the workers (finished, aborted,
 preempted) are listed in ``finished_seq_ids`` until the next plan carries them.
 
-Speculative decoding (a ``proposer``, nvllm/leader/ngram_proposer.py): a running sequence
+Speculative decoding (a ``proposer``: nvllm/leader/ngram_proposer.py, or
+nvllm/leader/draft_proposer.py, whose drafts rank 0 makes after each step and which needs
+lookahead slots reserved, ``_lookahead``): a running sequence
 that is decoding (exactly one known token left to compute, none in flight) may get d draft
 tokens (d <= k, cut so its output never passes max_tokens / max_model_len, and to the
 token budget). It is then scheduled for 1 + d tokens with slots for all of them, and its
@@ -54,6 +56,10 @@ class SchedulerOutput:
     sampling_seq_ids: set[int] = field(default_factory=set)
     # Speculative decoding: draft tokens per sequence id (each scheduled for 1 + drafts).
     spec_tokens: dict[int, np.ndarray] = field(default_factory=dict)
+    # Draft-model proposer: drafts rank 0 makes after this step for each sequence of
+    # draft_seq_ids that samples (StepPlan.num_draft_tokens); 0: none.
+    num_draft_tokens: int = 0
+    draft_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -143,6 +149,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         drafts = self._propose() if propose else {}
+        la = self._draft_k()
 
         # 1. Running sequences: decodes and continuing prefill chunks.
         i = 0
@@ -161,7 +168,8 @@ class Scheduler:
                 if len(d):
                     n = 1 + len(d)
                     out.spec_tokens[seq.seq_id] = d
-            while not self.kv.allocate_slots(seq, n):
+            extra = self._lookahead(seq, seq.num_computed_tokens, n, la)
+            while not self._allocate(seq, n, extra):
                 victim = self._pick_victim()
                 j = self.running.index(victim)
                 self.running.pop(j)
@@ -181,6 +189,9 @@ class Scheduler:
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 i += 1
+                if extra:  # it will draft: the plan asks rank 0 for its drafts
+                    out.num_draft_tokens = la
+                    out.draft_seq_ids.append(seq.seq_id)
                 continue
             # seq preempted itself; sequences after it may still fit in what is left
         if out.preempted:
@@ -206,8 +217,12 @@ class Scheduler:
             hits = [] if seq.wants_prompt_logprobs else self.kv.get_computed_blocks(seq)
             num_cached = len(hits) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, n, hits):
+            extra = self._lookahead(seq, self.kv.hit_tokens(hits), n, la)
+            if not self._allocate(seq, n, extra, hits):
                 break
+            if extra:
+                out.num_draft_tokens = la
+                out.draft_seq_ids.append(seq.seq_id)
             seq.num_computed_tokens = self.kv.hit_tokens(hits)
             if not seq.wants_prompt_logprobs:
                 self.kv.record_lookup(seq)
@@ -242,6 +257,9 @@ class Scheduler:
         out) or at max_tokens / max_model_len, dropping any later tokens of the step, so
         the output ends exactly where it would without speculation."""
         per_seq = result.per_seq()
+        # Draft-model proposals for the next step (drafted after this step's tokens).
+        new_drafts = (dict(zip(result.seq_ids, result.draft_token_ids))
+                      if result.draft_token_ids is not None else None)
         updates = []
         for seq, _ in sched.scheduled:
             got = per_seq.get(seq.seq_id)
@@ -269,6 +287,8 @@ class Scheduler:
                     break
             else:
                 self.kv.cache_computed_blocks(seq)
+                if new_drafts is not None:
+                    self.proposer.receive(seq, new_drafts[seq.seq_id])
         return updates
 
     def speculating(self) -> bool:
@@ -292,6 +312,35 @@ class Scheduler:
                  if s.num_tokens - s.num_computed_tokens == 1 and not s.num_pending
                  and p.eligible(s)]
         return p.propose(cands, k) if cands else {}
+
+    def _draft_k(self) -> int:
+        """Drafts per sampling sequence a draft-model proposer makes after this step (its
+        k at this batch size), 0 for other proposers."""
+        p = self.proposer
+        if p is None or not getattr(p, "needs_lookahead", False):
+            return 0
+        return p.config.k_for(max(len(self.running), 1))
+
+    def _lookahead(self, seq: Sequence, start: int, n: int, la: int) -> int:
+        """Slots to reserve past a step's n tokens (computed from `start`) for the draft
+        model's decode steps after it (vLLM's lookahead slots): the draft writes its KV at
+        the sampled token's position and the next la - 1, before the leader schedules
+        them. Only for a sequence that samples after the step and may propose, and never
+        past its length limit (its drafts are cut there anyway). The reserved slots hold
+        no known token: they are never cached, and the next steps' tokens overwrite them."""
+        if not la or start + n < seq.num_tokens + seq.num_pending \
+                or not self.proposer.eligible(seq):
+            return 0
+        limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        return max(0, min(la, limit - start - n))
+
+    def _allocate(self, seq: Sequence, n: int, extra: int, hits: list | None = None
+                  ) -> bool:
+        """Slots for n tokens and, where blocks allow, `extra` lookahead slots (without
+        them the draft model drafts fewer tokens: rank 0 drafts within the sequence's
+        blocks only)."""
+        return (self.kv.allocate_slots(seq, n + extra, hits)
+                or (extra > 0 and self.kv.allocate_slots(seq, n, hits)))
 
     def _count_verify(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         st = self.spec_stats

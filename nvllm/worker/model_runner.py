@@ -11,12 +11,14 @@ import torch
 
 from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig
+from nvllm.common.speculative import SpeculativeConfig
 from nvllm.common.transport import ArrayReader
 from nvllm.common.utils import cdiv
 from nvllm.kernels.cpu_attention import CpuKVStore
 from nvllm.kernels.metadata import AttentionMetadata, metadata_from_arrays
 from nvllm.kernels.ops import resolve_backend, uses_cpu_attention
 from nvllm.worker.cuda_graph import CUDAGraphRunner
+from nvllm.worker.draft_runner import DraftRunner
 from nvllm.worker.input_batch import InputBatch, InvalidPlan, StepBatch
 from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
@@ -93,13 +95,20 @@ class ModelRunner:
         self.threads: ThreadTuner | None = None
         attn0 = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+        # Draft-model speculative decoding: the draft lives on rank 0 only (draft_runner).
+        spec = config.speculative_config
+        self.draft: DraftRunner | None = None
+        if (tp.rank == 0 and spec is not None
+                and SpeculativeConfig.from_dict(spec).uses_draft_model):
+            self.draft = DraftRunner(config, device, self.dtype, self.backend)
 
     # ---- KV cache -------------------------------------------------------------------
 
     def block_bytes(self) -> int:
         layers = len(self.model.layers)
+        draft = self.draft.block_bytes(self.block_size) if self.draft is not None else 0
         return (2 * layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
+                * self.dtype.itemsize) + draft
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks this rank can hold within its memory budget."""
@@ -126,6 +135,8 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
             layer.self_attn.attn.layer_idx = i
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks, self.block_size)
         cfg = self.config
         self.batch = InputBatch(cfg.max_num_seqs, cfg.max_model_len,
                                 cdiv(cfg.max_model_len, self.block_size), self.block_size,
@@ -238,7 +249,18 @@ class ModelRunner:
             hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         prompt_lps = self._prompt_logprobs(step, hidden)
         if step.spec_lens is not None and step.spec_lens.any():
-            return self._verify(plan, step, hidden, prompt_lps, t0)
+            result = self._verify(plan, step, hidden, prompt_lps, t0)
+        else:
+            result = self._sample(plan, step, hidden, prompt_lps, t0)
+        if self.draft is not None:  # rank 0: the draft's KV, then its proposals
+            result.draft_token_ids = self.draft.run(step, self.batch, plan.draft_seq_ids,
+                                                    plan.num_draft_tokens)
+            result.worker_time_s = time.perf_counter() - t0
+        return result
+
+    def _sample(self, plan: worker_protocol.StepPlan, step: StepBatch, hidden: torch.Tensor,
+                prompt_lps: list | None, t0: float) -> worker_protocol.StepResult | None:
+        """Plain sampling: one token for each row whose known tokens are all computed."""
         sample_rows = step.rows[step.sample_idx]
         sample_ids = step.seq_ids[step.sample_idx].tolist()
         logits = (self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices)

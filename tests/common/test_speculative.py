@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
 from nvllm.common.speculative import SpeculativeConfig
@@ -31,9 +34,8 @@ def test_defaults_as_vllm():
     ({"lookup_window": 3}, r"lookup_window must be an integer in 6\.\."),
     ({"method": "eagle"}, r"method must be one of \['ngram', 'draft_model'\]"),
     ({"bogus": 1}, r"unknown key\(s\) \['bogus'\]"),
-    ({"method": "draft_model"}, r"'draft_model' is not supported yet"),
-    ({"model": "/some/draft", "num_speculative_tokens": 2}, r"'draft_model' is not supported"),
-    ({"method": "ngram", "model": "/x"}, r"a draft model is not supported yet"),
+    ({"method": "draft_model"}, r"model must be the draft model's checkpoint path"),
+    ({"method": "ngram", "model": "/x"}, r"method 'ngram' takes no model"),
     ("{not json", r"not valid JSON"),
     ([1, 2], r"must be a map"),
 ])
@@ -58,3 +60,46 @@ def test_engine_config_takes_a_map_or_json(tiny):
     assert d["speculative_config"]["num_speculative_tokens"] == 2
     with pytest.raises(ValueError, match="unknown key"):
         EngineConfig(model=tiny("llama"), speculative_config={"k": 2}).finalize()
+
+
+def test_a_model_means_a_draft_model(tiny):
+    from nvllm.common.config import EngineConfig
+
+    c = SpeculativeConfig.from_dict({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert c.method == "draft_model" and c.uses_draft_model
+    e = EngineConfig(model=tiny("llama"), speculative_config=json.dumps(
+        {"model": tiny("llama"), "num_speculative_tokens": 3})).finalize()
+    assert e.speculative_config.method == "draft_model"
+    assert e.speculative_config.model == str(pathlib.Path(tiny("llama")).resolve())
+    # the workers rebuild it from the config's dict form
+    assert SpeculativeConfig.from_dict(e.to_dict()["speculative_config"]) == e.speculative_config
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
+    """Checked at start-up (EngineConfig.finalize, before any worker starts), naming both
+    sizes."""
+    from nvllm.common.config import EngineConfig
+
+    cfg = json.loads((pathlib.Path(tiny("llama")) / "config.json").read_text())
+    assert cfg["vocab_size"] == 1024
+    cfg["vocab_size"] = 2048
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"draft model's vocabulary has 2048 tokens but the "
+                                         r"target's has 1024"):
+        EngineConfig(model=tiny("llama"), speculative_config={
+            "model": str(tmp_path), "num_speculative_tokens": 2}).finalize()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        EngineConfig(model=tiny("llama"), speculative_config={
+            "model": str(tmp_path / "missing"), "num_speculative_tokens": 2}).finalize()
+
+
+def test_a_sliding_target_needs_a_draft_within_its_window(tiny):
+    """The leader frees blocks behind a sliding target's window; a full-attention draft
+    would read them."""
+    from nvllm.common.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"the draft model must slide too, by at most 32"):
+        EngineConfig(model=tiny("mistral-sw"), speculative_config={
+            "model": tiny("mistral"), "num_speculative_tokens": 2}).finalize()
+    EngineConfig(model=tiny("mistral-sw"), speculative_config={
+        "model": tiny("mistral-sw"), "num_speculative_tokens": 2}).finalize()

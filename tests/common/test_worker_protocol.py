@@ -156,7 +156,7 @@ def test_rejects_unknown_kind(kind):
     [StepPlan.KIND, 1, [], [b"", b"", b"", b"\0\0\0\0", b"", b"\0\0\0\0", b""],
      []],  # RunningSeqs: 7 of 6
     [StepPlan.KIND, 1, [b""] * 10, [], []],  # NewSeqs: 10 of 9
-    [StepPlan.KIND, 1, [], [], [], 7],  # a field StepPlan does not have
+    [StepPlan.KIND, 1, [], [], [], 0, [], 7],  # a field StepPlan does not have
     [StepPlan.KIND, 1, [b"", b"", b"", b"", b"", b"", b"", b"", [[0.0] * 16]], [], []],
 ])
 def test_rejects_wrong_field_count(frame):

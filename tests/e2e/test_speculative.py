@@ -11,6 +11,9 @@ output, with a wrong token planted now and then (partial acceptance)."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
@@ -104,13 +107,18 @@ def kv_ok(llm) -> None:
     assert kv.num_free_blocks == users.count(0)
 
 
-def run_steps(llm, prompts, params):
-    """Generate step by step (engine API), checking KV accounting after every step."""
+def run_steps(llm, prompts, params, kill_at: int | None = None):
+    """Generate step by step (engine API), checking KV accounting after every step;
+    `kill_at`: SIGKILL rank 0 before that step (the engine must restart its workers)."""
     eng = llm.engine
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.submit(prompt_token_ids=p, params=sp, request_id=f"q{i}")
     done = {}
+    steps = 0
     while eng.has_unfinished_requests():
+        if steps == kill_at:
+            os.kill(llm.worker_pids[0], signal.SIGKILL)
+        steps += 1
         out = eng.step()
         kv_ok(llm)
         for r in out.finished:
@@ -120,15 +128,14 @@ def run_steps(llm, prompts, params):
     return [done[f"q{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_equal_with_speculation(tiny, tp):
+def reference(model: str, kw: dict):
+    """The batch and its outputs with speculation off. Requests 1 and 2 stop at a stop
+    string / stop token their first reference output produced mid-way (so a speculative
+    run meets them inside accepted runs)."""
     from transformers import AutoTokenizer
 
-    model = tiny("qwen3")
     tok = AutoTokenizer.from_pretrained(model)
     prompts, params = requests(tok)
-    # stop strings: cut at text the reference produced (found below), inside accepted runs
-    kw = dict(device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp, **STRESS)
     with LLM(model, **kw) as llm:
         base = generate(llm, prompts, params)
         text = base[1][0][1]
@@ -137,9 +144,19 @@ def test_greedy_equal_with_speculation(tiny, tp):
         params[2] = SamplingParams(temperature=0.0, max_tokens=32,
                                    stop_token_ids=[base[2][0][0][17]])
         base = generate(llm, prompts, params)
-        refs = {}
-        for p, outs in zip(prompts, base):
-            refs.setdefault(tuple(p), [o[0] for o in outs])
+    assert base[1][0][2] == "stop" and base[2][0][2] == "stop"
+    assert base[4][0][1] in SCHEMA_CHOICES
+    return prompts, params, base
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equal_with_speculation(tiny, tp):
+    model = tiny("qwen3")
+    kw = dict(device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp, **STRESS)
+    prompts, params, base = reference(model, kw)
+    refs = {}
+    for p, outs in zip(prompts, base):
+        refs.setdefault(tuple(p), [o[0] for o in outs])
     spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "measure_throughput": False}  # speculating throughout, whatever the timings
     with LLM(model, speculative_config=spec, **kw) as llm:
@@ -158,8 +175,42 @@ def test_greedy_equal_with_speculation(tiny, tp):
         assert st.num_accepted_tokens < st.num_draft_tokens - ngram
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv.stats.hits > 0
-    assert base[1][0][2] == "stop" and base[2][0][2] == "stop"
-    assert base[4][0][1] in SCHEMA_CHOICES
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equal_with_a_draft_model(tiny, tmp_path, tp):
+    """Draft-model speculative decoding (rank 0 runs the draft, nvllm/worker/draft_runner.py)
+    under the same stress: outputs equal speculation off token for token, the KV
+    accounting holds after every step. Drafts come from the target cut to its first layer
+    (some accepted: a random model's layers agree now and then) and, at tp 1, from the
+    target itself: its drafts are the target's own greedy tokens, so nearly all are
+    accepted, which holds only if the draft's KV (written beside the target's, in the same
+    blocks, through prefix hits, chunked prefill, recompute after preemption, and replay
+    after rank 0, which holds the draft, is killed mid-run) is right."""
+    from nvllm.launch.truncate import truncate_checkpoint
+
+    model = tiny("qwen3")
+    kw = dict(device="cpu", dtype="float32", block_size=8, tensor_parallel_size=tp, **STRESS)
+    prompts, params, base = reference(model, kw)
+    drafts = [str(truncate_checkpoint(model, tmp_path / "draft", 1))]
+    if tp == 1:
+        drafts.append(model)
+    for draft in drafts:
+        spec = {"model": draft, "num_speculative_tokens": 3, "measure_throughput": False}
+        restart = draft == model
+        with LLM(model, speculative_config=spec, restart_workers=restart, **kw) as llm:
+            got = run_steps(llm, prompts, params, kill_at=12 if restart else None)
+            same(got, base)
+            st = llm.engine.scheduler.spec_stats
+            eng = llm.engine
+            assert eng.scheduler.num_preemptions > 0 and eng.kv.stats.hits > 0
+            if restart:  # the kill did happen, and the group was replaced once
+                assert eng.executor.restarts_left == eng.config.max_worker_restarts - 1
+        rate = st.num_accepted_tokens / st.num_draft_tokens
+        if draft == model:
+            assert rate > 0.9, (st.num_accepted_tokens, st.num_draft_tokens)
+        else:
+            assert st.num_accepted_tokens > 0 and rate < 0.9
 
 
 def test_seeded_sampling_reproducible_with_speculation(tiny):

@@ -49,7 +49,7 @@ def requests(tokenizer):
     ]
 
 
-def run(make_engine, tokenizer, **kw):
+def run(make_engine, tokenizer, after_step=None, **kw):
     engine, workers = make_engine(copy_model, **kw)
     for i, (prompt, params) in enumerate(requests(tokenizer)):
         engine.submit(prompt_token_ids=prompt, params=params, request_id=f"r{i}")
@@ -59,6 +59,8 @@ def run(make_engine, tokenizer, **kw):
         out = engine.step()
         finished += out.finished
         check_kv(engine, workers.slot_tokens)
+        if after_step is not None:
+            after_step(engine, workers)
         steps += 1
         assert steps < 1000
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
@@ -143,7 +145,8 @@ def test_low_acceptance_stops_proposing(make_engine, tokenizer):
             assert workers.recvs_before_plan[i + 1] > workers.recvs_before_plan[i]
 
 
-def test_restart_and_replay_with_speculation(tiny, tokenizer, scheduling):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_restart_and_replay_with_speculation(tiny, tokenizer, scheduling, method):
     """A worker group dies on a plan that verifies drafts: the restarted group recomputes
     every sequence, and the outputs equal those of an uninterrupted run."""
     from fake_workers import FakeWorkers
@@ -151,6 +154,8 @@ def test_restart_and_replay_with_speculation(tiny, tokenizer, scheduling):
     from nvllm.common.config import EngineConfig
     from nvllm.leader.engine import LLMEngine
     from nvllm.leader.executor import Executor
+
+    spec = SPEC if method == "ngram" else draft_spec(tiny)
 
     def make(die: bool):
         groups = []
@@ -169,7 +174,7 @@ def test_restart_and_replay_with_speculation(tiny, tokenizer, scheduling):
 
         config = EngineConfig(tiny("qwen3"), device="cpu", block_size=4, num_kv_blocks=64,
                               log_stats_interval_s=3600.0, restart_workers=True,
-                              speculative_config=SPEC).finalize()
+                              speculative_config=spec).finalize()
         return LLMEngine(config, Executor(config, start), tokenizer), groups
 
     got = []
@@ -230,3 +235,103 @@ def test_the_measured_gate_decides_each_step_and_sees_its_tokens(make_engine, to
     drafted = [i for i, p in enumerate(workers.plans) if any(r.spec_token_ids
                                                              for r in p.running)]
     assert drafted and max(drafted) < 8
+
+
+# ---- the draft-model proposer's leader side (nvllm/leader/draft_proposer.py) ----------
+# The fake workers draft as DraftRunner does (tests/support/fake_workers.py): the script's
+# continuation, one draft in three wrong, within the row's blocks.
+
+
+def draft_spec(tiny) -> dict:
+    """A draft model with the target's vocabulary (the tiny target itself: the fake
+    workers never load it)."""
+    return {"model": tiny("qwen3"), "num_speculative_tokens": 4, "min_acceptance_rate": 0.0,
+            "measure_throughput": False}
+
+
+class DraftWrites:
+    """After every step: each draft KV write since the last check went to a block of its
+    own sequence (while that sequence runs), and, when no plan is in flight, to a slot
+    past its computed tokens in a block the prefix cache does not hold (a slot the next
+    steps recompute)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.checked = 0
+
+    def __call__(self, engine, workers) -> None:
+        running = {s.seq_id: s for s in engine.scheduler.running}
+        bs = engine.kv.block_size
+        for writes in workers.draft_writes[self.seen:]:
+            for sid, pos, slot in writes:
+                seq = running.get(sid)
+                if seq is None:
+                    continue  # finished or preempted since: its blocks went back
+                assert slot // bs in seq.block_table, "a draft wrote outside its blocks"
+                if not engine._inflight:
+                    assert pos >= seq.num_computed_tokens
+                    assert engine.kv.pool.blocks[slot // bs].block_hash is None
+                    self.checked += 1
+        self.seen = len(workers.draft_writes)
+
+
+@pytest.mark.parametrize("blocks", [64, 30])  # 30 blocks of 4: preemption
+def test_draft_model_outputs_equal_speculation_off(make_engine, tokenizer, tiny, blocks):
+    kw = dict(num_kv_blocks=blocks, max_num_batched_tokens=64)
+    base, _, _, steps0 = run(make_engine, tokenizer, **kw)
+    writes = DraftWrites()
+    got, e1, workers, steps1 = run(make_engine, tokenizer, after_step=writes,
+                                   speculative_config=draft_spec(tiny), **kw)
+    assert got == base
+    st = e1.scheduler.spec_stats
+    assert st.num_drafts > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert sum(a for _, _, a in workers.accepted) == st.num_accepted_tokens
+    assert steps1 < steps0, "accepted drafts should save steps"
+    assert writes.checked > 0 or e1.config.async_scheduling
+    # The scheduler reserved lookahead slots: drafts are cut short by a row's blocks
+    # only near its max_tokens (or, when blocks run out, where reserving them failed).
+    runs = sum(len(d) for d in workers.drafts)
+    assert workers.short_drafts < runs / 4
+    if blocks == 30:
+        assert e1.scheduler.num_preemptions > 0
+
+
+def test_draft_model_drafts_come_from_the_previous_result(make_engine, tokenizer, tiny):
+    """Each plan asks for k drafts (none where the sequence cannot use them), and every
+    draft run a plan verifies is the one the workers drafted for that sequence in the plan
+    before (cut to what fits max_tokens)."""
+    engine, workers = make_engine(copy_model, speculative_config=draft_spec(tiny))
+    run_checked(engine, workers, tokenizer, max_tokens=30)
+    plans = workers.plans
+    asked = [p.num_draft_tokens for p in plans if p.new_seqs or p.running]
+    # k, until the step that computes the last position a token can follow
+    assert asked[:-1] == [4] * (len(asked) - 1) and asked[-1] in (0, 4)
+    verified = 0
+    for i, plan in enumerate(plans):
+        for r in plan.running:
+            if r.spec_token_ids:
+                d = list(r.spec_token_ids)
+                assert d == workers.drafts[i - 1][r.seq_id][:len(d)]
+                verified += 1
+    assert verified > 3
+
+
+def test_draft_model_paused_sequences_draft_nothing(make_engine, tokenizer, tiny):
+    """A sequence paused for low acceptance is not drafted for (its plans leave it out of
+    draft_seq_ids, and rank 0 drafts only for those listed), so pausing saves the draft
+    model's work too; the engine then goes back to async scheduling where allowed."""
+    def stray(sid, fs):  # prompt tokens, but never in the prompt's order
+        prompt = fs.token_ids[:fs.num_prompt_tokens]
+        return prompt[3 * (len(fs.token_ids) - fs.num_prompt_tokens) % len(prompt)]
+
+    spec = dict(draft_spec(tiny), min_acceptance_rate=0.5, retry_after_tokens=1000)
+    engine, workers = make_engine(stray, speculative_config=spec)
+    workers.draft_wrong = 1  # every draft wrong
+    run_checked(engine, workers, tokenizer, max_tokens=60)
+    st = engine.scheduler.spec_stats
+    assert 0 < st.num_drafts < 10 and st.num_accepted_tokens == 0
+    asked = [bool(p.draft_seq_ids) for p in workers.plans if p.new_seqs or p.running]
+    first_off = asked.index(False)
+    assert first_off < 12 and not any(asked[first_off:])
+    assert workers.num_drafted == sum(len(d) for ds in workers.drafts for d in ds.values())
+    assert not any(workers.drafts[first_off + 1:])

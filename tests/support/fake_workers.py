@@ -103,6 +103,15 @@ class FakeWorkers:
         # (seq id, drafts, accepted) per verify row executed (speculative decoding).
         self.accepted: list[tuple[int, int, int]] = []
         self.slot_tokens: dict[int, int] = {}
+        # Draft-model speculative decoding (plans with num_draft_tokens): a fake draft
+        # model drafts the script's continuation, wrong at every draft_wrong-th draft;
+        # draft_writes: each step's (seq id, position, slot) the draft's KV went to, as
+        # DraftRunner.run writes them (within the row's blocks only).
+        self.draft_wrong = 3
+        self.num_drafted = 0
+        self.draft_writes: list[list[tuple[int, int, int]]] = []
+        self.drafts: list[dict[int, list[int]]] = []  # per plan executed: seq id -> drafts
+        self.short_drafts = 0  # draft runs cut short by the row's blocks
 
     @property
     def client(self) -> FakeWorkers:
@@ -195,9 +204,40 @@ class FakeWorkers:
         self.accepted += [(sid, d, n - 1) for sid, d, n in zip(seq_ids, spec, counts) if d]
         # As the sampler: a list (None for rows that did not ask) when any row asked.
         lps = logprobs if any(x is not None for x in logprobs) else None
+        drafts = (self._draft(seq_ids, rows, plan.num_draft_tokens, plan.draft_seq_ids)
+                  if plan.num_draft_tokens else None)
+        self.drafts.append(dict(zip(seq_ids, drafts or [])))
         return protocol.StepResult(plan.step_id, seq_ids, tokens, lps, 0.001,
                                    prompt_lps or None,
-                                   counts if any(c != 1 for c in counts) else None)
+                                   counts if any(c != 1 for c in counts) else None, drafts)
+
+    def _draft(self, seq_ids: list[int], rows: list[int], k: int, asked: list[int]
+               ) -> list[list[int]]:
+        """As DraftRunner.run: for the rows of the `asked` sequences, up to k
+        drafts from its newest token, at positions p.. (p: the newest token's), cut where
+        the row's blocks end; none for the others."""
+        b, writes, out = self.batch, [], []
+        for sid, row in zip(seq_ids, rows):
+            if sid not in asked:
+                out.append([])
+                continue
+            fs = FakeSeq.of(b, row)
+            p = len(fs.token_ids) - 1
+            kk = max(0, min(k, len(fs.block_table) * BLOCK - p))
+            self.short_drafts += kk < k
+            d = []
+            for i in range(kk):
+                writes.append((sid, p + i, fs.block_table[(p + i) // BLOCK] * BLOCK
+                               + (p + i) % BLOCK))
+                t = self.choose(sid, fs)
+                self.num_drafted += 1
+                if self.draft_wrong and self.num_drafted % self.draft_wrong == 0:
+                    t += 1  # a wrong draft: the rest of the run is rejected
+                d.append(t)
+                fs.token_ids.append(t)
+            out.append(d)
+        self.draft_writes.append(writes)
+        return out
 
 
 def submit(engine: LLMEngine, prompt=None, params=None, **kwargs):
