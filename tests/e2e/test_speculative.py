@@ -31,7 +31,8 @@ STRESS = dict(enable_prefix_caching=True, max_num_batched_tokens=32, num_kv_bloc
 def requests(tok):
     texts = [PASSAGE * 2 + "Again: " + PASSAGE[:20 + 9 * i] for i in range(3)]
     prompts = [tok(t).input_ids for t in texts] + [tok("Hi").input_ids] * 2
-    params = [SamplingParams(temperature=0.0, max_tokens=32) for _ in range(3)] + [
+    params = [SamplingParams(temperature=0.0, max_tokens=32, prompt_logprobs=1)] + [
+        SamplingParams(temperature=0.0, max_tokens=32) for _ in range(2)] + [
         SamplingParams(temperature=0.0, max_tokens=20, n=2, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=30,
                        structured_outputs={"choice": SCHEMA_CHOICES})]
@@ -76,19 +77,23 @@ def same(got, base) -> None:
     assert [[c[:3] for c in r] for r in got] == [[c[:3] for c in r] for r in base]
     for r, b in zip(got, base):
         for c, d in zip(r, b):
-            if d[3] is None:
-                assert c[3] is None
-                continue
-            for x, y in zip(c[3], d[3]):
-                assert x.keys() == y.keys()
-                assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+            for i in (3, 4):  # logprobs, then the request's prompt logprobs
+                if d[i] is None:
+                    assert c[i] is None
+                    continue
+                assert len(c[i]) == len(d[i])
+                for x, y in zip(c[i], d[i]):
+                    assert (x is None) == (y is None)
+                    if x is not None:
+                        assert x.keys() == y.keys()
+                        assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
 def generate(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(o.error is None for o in outs)
-    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs]
-            for o in outs]
+    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs, o.prompt_logprobs)
+             for c in o.outputs] for o in outs]
 
 
 def kv_ok(llm) -> None:
@@ -122,8 +127,8 @@ def run_steps(llm, prompts, params, kill_at: int | None = None):
         out = eng.step()
         kv_ok(llm)
         for r in out.finished:
-            done[r.request_id] = [(c.token_ids, c.text, c.finish_reason, c.logprobs)
-                                  for c in r.outputs]
+            done[r.request_id] = [(c.token_ids, c.text, c.finish_reason, c.logprobs,
+                                   r.prompt_logprobs) for c in r.outputs]
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
     return [done[f"q{i}"] for i in range(len(prompts))]
 
@@ -145,6 +150,7 @@ def reference(model: str, kw: dict):
                                    stop_token_ids=[base[2][0][0][17]])
         base = generate(llm, prompts, params)
     assert base[1][0][2] == "stop" and base[2][0][2] == "stop"
+    assert len(base[0][0][4]) == len(prompts[0])  # scored over chunked prefill steps
     assert base[4][0][1] in SCHEMA_CHOICES
     return prompts, params, base
 
