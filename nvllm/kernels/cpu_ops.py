@@ -191,6 +191,16 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The grouped quantized weight's values [N, K] in dtype (float32 or bfloat16), as
+    nvllm/worker/layers/quant.py:dequantize computes them, in one native pass."""
+    k = qweight.shape[1] * (8 // bits)
+    out = torch.empty(qweight.shape[0], k, dtype=dtype)
+    torch.ops.nvllm_cpu.quant_dequantize(out, qweight, scales, mins, bits)
+    return out
+
+
 if __name__ == "__main__":
     import sys
 

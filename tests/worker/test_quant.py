@@ -126,10 +126,14 @@ def test_native_op_equals_dequantize_then_matmul(fmt, dtype):
         assert bool(((got.double() - exact).abs() <= bound).all()), (fmt.name, m)
         # The fallback path dequantizes into x's dtype: in bfloat16 each weight is also
         # rounded (relative 2^-9), as a dense bfloat16 model's are.
-        ref = qw.matmul_reference(x)
         if dtype == torch.bfloat16:
             bound = bound + 2.0 ** -9 * (x.abs().double() @ w.abs().t())
-        assert bool(((ref.double() - exact).abs() <= bound).all()), (fmt.name, m)
+        for native in (False, True):  # tiles dequantized by torch, or by the native op
+            ref = qw.matmul_tiles(x, native)
+            assert bool(((ref.double() - exact).abs() <= bound).all()), (fmt.name, m)
+    for dt in (torch.float32, torch.bfloat16):  # the native dequantization: the same values
+        assert torch.equal(cpu_ops.quant_dequantize(qw.qweight, qw.scales, qw.mins, fmt.bits,
+                                                    dt), qw.dequantize(dtype=dt))
 
 
 def _model(cfg, rank: int, tp: int):

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -64,6 +65,31 @@ inline void dequant_group(const uint8_t* q, float s, float m, __m512& w0, __m512
   }
 }
 
+#endif
+
+// One group's 32 values into w (float32), the arithmetic of dot_column.
+template <int BITS, bool MIN>
+inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
+#if defined(__AVX512F__)
+  __m512 w0, w1;
+  dequant_group<BITS, MIN>(q, s, m, w0, w1);
+  _mm512_storeu_ps(w, w0);
+  _mm512_storeu_ps(w + 16, w1);
+#else
+  for (int j = 0; j < kGroup; ++j) {
+    int v;
+    if constexpr (BITS == 8) {
+      v = static_cast<int8_t>(q[j]);
+    } else {
+      v = j < 16 ? (q[j] & 0xF) : (q[j - 16] >> 4);
+      if constexpr (!MIN) v -= 8;
+    }
+    w[j] = MIN ? static_cast<float>(v) * s + m : static_cast<float>(v) * s;
+  }
+#endif
+}
+
+#if defined(__AVX512F__)
 // out[r, n] for R rows of x (float32, [R, K] at stride K) and one output column n.
 template <int BITS, bool MIN, int R>
 inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
@@ -94,19 +120,8 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
   constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
   float w[kGroup];
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* qg = q + g * gbytes;
-    const float sc = half_to_float(s[g]);
-    const float mn = MIN ? half_to_float(m[g]) : 0.f;
-    for (int j = 0; j < kGroup; ++j) {
-      int v;
-      if constexpr (BITS == 8) {
-        v = static_cast<int8_t>(qg[j]);
-      } else {
-        v = j < 16 ? (qg[j] & 0xF) : (qg[j - 16] >> 4);
-        if constexpr (!MIN) v -= 8;
-      }
-      w[j] = MIN ? static_cast<float>(v) * sc + mn : static_cast<float>(v) * sc;
-    }
+    dequant_to<BITS, MIN>(q + g * gbytes, half_to_float(s[g]), MIN ? half_to_float(m[g]) : 0.f,
+                          w);
     const float* xg = x + g * kGroup;
     for (int r = 0; r < R; ++r) {
 #pragma omp simd
@@ -120,6 +135,32 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
   }
 }
 #endif
+
+// Rows [N, K] of the weight dequantized into out (float32, or bfloat16 rounded to nearest
+// even as torch rounds): what the reference computes, in one pass.
+template <int BITS, bool MIN, typename T>
+void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Half* scales,
+                  const c10::Half* mins) {
+  const int64_t G = K / kGroup;
+  const int64_t qrow = BITS == 8 ? K : K / 2;
+  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float w[kGroup];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = out + n * K + g * kGroup;
+        const float sc = half_to_float(scales[n * G + g]);
+        const float mn = MIN ? half_to_float(mins[n * G + g]) : 0.f;
+        if constexpr (std::is_same_v<T, float>) {
+          dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, o);
+        } else {
+          dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, w);
+          for (int j = 0; j < kGroup; ++j) o[j] = nvllm_cpu::from_float<T>(w[j]);
+        }
+      }
+    }
+  });
+}
 
 template <int BITS, bool MIN, int R, typename T>
 void rows_pass(T* out, const float* x, int64_t K, int64_t N, const uint8_t* qw,
@@ -203,11 +244,55 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
   }
 }
 
+// out [N, K] (float32 or bfloat16, contiguous): the weight's values.
+void quant_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous [N, K]");
+  const int64_t N = out.size(0), K = out.size(1);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(0) == N &&
+                  qweight.size(1) == (bits == 8 ? K : K / 2),
+              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.size(0) == N && scales.size(1) == K / kGroup,
+              "scales: contiguous fp16 [N, K / 32]");
+  const c10::Half* m = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(), "mins: like scales");
+    m = mins->data_ptr<c10::Half>();
+  }
+  const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* s = scales.data_ptr<c10::Half>();
+  auto go = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    if (bits == 8) {
+      if (m) dequant_rows<8, true, T>(o, K, N, qw, s, m);
+      else dequant_rows<8, false, T>(o, K, N, qw, s, m);
+    } else {
+      if (m) dequant_rows<4, true, T>(o, K, N, qw, s, m);
+      else dequant_rows<4, false, T>(o, K, N, qw, s, m);
+    }
+  };
+  if (out.scalar_type() == at::kFloat) {
+    go(out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be float32 or bfloat16");
+    go(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nvllm_cpu, m) {
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor? mins, "
         "int bits) -> ()");
+  m.def("quant_dequantize(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor? mins, "
+        "int bits) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -16,9 +16,27 @@ dequantizes to the float32 that ``gguf.quants.dequantize`` gives.
 
 ``QuantizedWeight.matmul`` is x W^T: nvllm's native op (``csrc/cpu_quant_linear.cpp``,
 dequantize-in-register, float32 accumulation) for up to ``NATIVE_MAX_ROWS`` CPU rows,
-else ``dequantize`` a tile of rows and ``torch.mm`` it (the reference, and the faster path
-for prefill sizes). ``quantize`` is round-to-nearest per group, symmetric (no min), for
-float checkpoints quantized at load.
+else a tile of W's rows dequantized into x's dtype (one native pass, or the torch
+reference ``dequantize`` without the native ops) and ``torch.mm``. ``quantize`` is
+round-to-nearest per group, symmetric (no min), for float checkpoints quantized at load.
+
+Measured (``scripts/bench_quant_linear.py --threads 1``, SmolLM2-135M's shapes, this
+2-core AMD EPYC with AVX-512, microseconds, minimum of 5): at one row the native op reads
+the 49152 x 576 LM head in 2.0 ms (int8 or int4+min) against 10.2 ms dense float32 and
+6.6 ms dense bfloat16, and 3072 x 576 in 0.11-0.13 ms (dense 0.15). Its cost grows about
+linearly with the rows (a dot-product kernel: ~2x a float32 GEMM's per-row cost), so the
+tile path wins from ~8 rows with bfloat16 activations (bfloat16 GEMM: 3072 x 576 at 16
+rows 0.62 ms against 1.08) and from ~16-32 with float32 (0.95 vs 1.04 ms at 16 rows, 1.94
+vs 1.77 at 32): hence ``NATIVE_MAX_ROWS`` per dtype.
+
+torch's own weight-only ops do not fit GGUF's blocks exactly: ``_weight_int8pack_mm`` has
+one scale per output channel (Q8_0 has one per 32 values), and
+``_weight_int4pack_mm_for_cpu`` takes its scales and zero points in the activations'
+dtype, so with bfloat16 activations fp16 scales lose 3 bits (Q4_0 / Q4_1 are exact only
+with float32 activations and scales). Where they run, their bfloat16 path is the fastest
+at decode (int4: 0.10 ms for 3072 x 576 at one row, 1.5 ms for the LM head, ~20% under
+ours), but their float32 path is 20-300x slower than everything else (3072 x 576 at one
+row: int4 3.1 ms, int8 1.5 ms), so neither is used.
 """
 
 from __future__ import annotations
@@ -29,9 +47,9 @@ import numpy as np
 import torch
 
 GROUP = 32
-# Up to this many rows, the native op; beyond, dequantized tiles and torch.mm (measured on
-# SmolLM2's shapes, 2 cores, see docs/quantization.md).
-NATIVE_MAX_ROWS = 16
+# Up to this many rows of x (by its dtype), the native op; beyond, dequantized tiles and
+# torch.mm (the crossovers measured above).
+NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
 TILE_ROWS = 4096
 
@@ -114,23 +132,33 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for x [..., k], in x's dtype."""
         x2 = x.reshape(-1, self.k)
-        if x2.shape[0] <= NATIVE_MAX_ROWS and x2.device.type == "cpu" and _native():
+        native = x2.device.type == "cpu" and x2.dtype in NATIVE_MAX_ROWS and _native()
+        if native and x2.shape[0] <= NATIVE_MAX_ROWS[x2.dtype]:
             from nvllm.kernels import cpu_ops
 
             out = cpu_ops.quant_linear(x2, self.qweight, self.scales, self.mins,
                                        self.fmt.bits)
         else:
-            out = self.matmul_reference(x2)
+            out = self.matmul_tiles(x2, native)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.n)
 
-    def matmul_reference(self, x2: torch.Tensor) -> torch.Tensor:
-        """Dequantize TILE_ROWS rows of W at a time (in x's dtype) and torch.mm them."""
+    def matmul_tiles(self, x2: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """Dequantize TILE_ROWS rows of W at a time into x's dtype (the native op's one
+        pass, or the torch reference) and torch.mm them."""
         out = torch.empty(x2.shape[0], self.n, dtype=x2.dtype, device=x2.device)
         for r0 in range(0, self.n, TILE_ROWS):
             r1 = min(self.n, r0 + TILE_ROWS)
-            torch.mm(x2, self.dequantize(r0, r1, x2.dtype).t(), out=out[:, r0:r1])
+            if native:
+                from nvllm.kernels import cpu_ops
+
+                w = cpu_ops.quant_dequantize(self.qweight[r0:r1], self.scales[r0:r1],
+                                             None if self.mins is None else self.mins[r0:r1],
+                                             self.fmt.bits, x2.dtype)
+            else:
+                w = self.dequantize(r0, r1, x2.dtype)
+            torch.mm(x2, w.t(), out=out[:, r0:r1])
         return out
 
 
