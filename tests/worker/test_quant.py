@@ -236,3 +236,18 @@ def test_real_file_held_quantized_within_1_15x_of_its_size(smollm2):
     ratio = weight_bytes(model) / os.path.getsize(smollm2)
     print(f"weight bytes / file bytes: {ratio:.3f}")
     assert ratio <= 1.15
+
+
+def test_without_native_ops_matmul_takes_the_torch_reference(monkeypatch):
+    """NVLLM_CPU_OPS=0 or no compiler: every row count goes through torch's
+    dequantization and torch.mm, exactly matmul_tiles' torch path."""
+    from nvllm.worker.layers import quant
+
+    monkeypatch.setattr(quant, "_NATIVE", [False])
+    gen = torch.Generator().manual_seed(2)
+    qw = _random_quantized(INT4_MIN, 24, 64, gen)
+    bias = torch.randn(24, generator=gen)
+    for m in (1, 40):
+        x = torch.randn(2, m, 64, generator=gen)
+        want = torch.mm(x.view(-1, 64), qw.dequantize().t()) + bias
+        assert torch.equal(qw.matmul(x, bias), want.view(2, m, 24))
