@@ -40,6 +40,9 @@ from nvllm.worker.layers.quant import (
 
 logger = logging.getLogger(__name__)
 
+# Rows of a shard read, converted and stored at a time by load_quantized.
+ROW_CHUNK = 1024
+
 
 
 def _gguf_format(qtypes: set[str]) -> QuantFormat | None:
@@ -167,8 +170,9 @@ def load_quantized(qw: QuantizedWeight, src, dim: int, start: int, end: int,
                    dst_off: int) -> None:
     """A shard of a 2-D checkpoint tensor (rows [start, end) when dim is 0, else columns,
     whole groups) into qw at dst_off along dim: a GGUF source's blocks repacked where
-    qw's format holds them exactly, else the shard's float values quantized."""
-    from nvllm.worker.gguf_weights import repack
+    qw's format holds them exactly, else the shard's float values quantized; ROW_CHUNK
+    rows at a time, so neither path holds more than that many rows in float."""
+    from nvllm.worker.gguf_weights import EXACT_TYPES, repack
 
     shape = list(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     if len(shape) != 2:
@@ -180,17 +184,16 @@ def load_quantized(qw: QuantizedWeight, src, dim: int, start: int, end: int,
     if (k != qw.k) if dim == 0 else (n != qw.n or end - start > qw.k):
         raise ValueError(f"a [{n}, {k}] tensor does not fit a [{qw.n}, {qw.k}] quantized "
                          "weight")
-    got = None
     packed = getattr(src, "packed", None)
-    if packed is not None and getattr(src, "expert", None) is None:
-        from nvllm.worker.gguf_weights import EXACT_TYPES
-
-        if packed.qtype in EXACT_TYPES:
-            got = repack(src.blocks(rows, cols), packed.qtype, qw.fmt)
-    if got is None:
-        w = src[slice(*rows), slice(*cols)]
-        got = quantize(torch.as_tensor(w), qw.fmt)
-    qw.write(dim, dst_off, *(t if t is None else t.to(qw.qweight.device) for t in got))
+    exact = packed is not None and getattr(src, "expert", None) is None \
+        and packed.qtype in EXACT_TYPES
+    for a in range(rows[0], rows[1], ROW_CHUNK):  # bounded temporaries, whatever the shard
+        b = min(rows[1], a + ROW_CHUNK)
+        got = repack(src.blocks((a, b), cols), packed.qtype, qw.fmt) if exact else None
+        if got is None:
+            got = quantize(torch.as_tensor(src[a:b, cols[0]:cols[1]]), qw.fmt)
+        at = (dst_off + a - rows[0], 0) if dim == 0 else (a - rows[0], dst_off)
+        qw.write(*at, *(t if t is None else t.to(qw.qweight.device) for t in got))
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -57,7 +57,10 @@ ALL = [INT8, INT8_MIN, INT4, INT4_MIN]
 
 
 @pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda q: q.name)
-def test_gguf_blocks_repack_exactly(tmp_path, qtype):
+def test_gguf_blocks_repack_exactly(tmp_path, monkeypatch, qtype):
+    from nvllm.worker import quantize as quantize_mod
+
+    monkeypatch.setattr(quantize_mod, "ROW_CHUNK", 2)  # shards read in several chunks
     rng = np.random.default_rng(int(qtype))
     raw, ref = random_tensor(qtype, (6, 512), rng)
     path = tmp_path / "t.gguf"
@@ -74,6 +77,12 @@ def test_gguf_blocks_repack_exactly(tmp_path, qtype):
         cols = QuantizedWeight(fmt, 6, 256)  # a row-parallel shard: columns 64..319
         load_quantized(cols, src, 1, 64, 320, 0)
         np.testing.assert_array_equal(cols.dequantize().numpy(), ref[:, 64:320], fmt.name)
+    if INT4 not in EXACT[qtype]:  # int4 from the chunks' float values: as the whole's
+        other = QuantizedWeight(INT4, 5, 512)
+        load_quantized(other, src, 0, 1, 6, 0)
+        want = QuantizedWeight(INT4, 5, 512)
+        want.write(0, 0, *quantize(torch.from_numpy(ref[1:6]), INT4))
+        assert torch.equal(other.dequantize(), want.dequantize())
     with pytest.raises(ValueError, match="whole groups"):
         load_quantized(QuantizedWeight(EXACT[qtype][0], 6, 32), src, 1, 16, 48, 0)
 

@@ -95,25 +95,20 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.qweight, self.scales, self.mins) if t is not None)
 
-    def write(self, dim: int, offset: int, q: torch.Tensor, scales: torch.Tensor,
+    def write(self, row: int, col: int, q: torch.Tensor, scales: torch.Tensor,
               mins: torch.Tensor | None) -> None:
-        """Store a block of rows (dim 0, at row offset) or of whole groups (dim 1, at
-        column offset, a multiple of 32) given in this format."""
-        if dim == 0:
-            rows = slice(offset, offset + q.shape[0])
-            self.qweight[rows] = q
-            self.scales[rows] = scales
-            if self.mins is not None:
-                self.mins[rows] = mins if mins is not None else 0
-            return
-        if offset % GROUP:
-            raise ValueError(f"column offset {offset} is not on a group of {GROUP}")
-        g0 = offset // GROUP
-        self.scales[:, g0:g0 + scales.shape[1]] = scales
+        """Store a block given in this format at rows [row, + its rows) and columns
+        [col, + its groups * 32) (col a multiple of 32); a +min format without mins gets
+        mins of 0."""
+        if col % GROUP:
+            raise ValueError(f"column offset {col} is not on a group of {GROUP}")
+        rows = slice(row, row + q.shape[0])
+        groups = slice(col // GROUP, col // GROUP + scales.shape[1])
+        self.scales[rows, groups] = scales
         if self.mins is not None:
-            self.mins[:, g0:g0 + scales.shape[1]] = mins if mins is not None else 0
-        c0 = self.fmt.packed_cols(offset)
-        self.qweight[:, c0:c0 + q.shape[1]] = q
+            self.mins[rows, groups] = mins if mins is not None else 0
+        c0 = self.fmt.packed_cols(col)
+        self.qweight[rows, c0:c0 + q.shape[1]] = q
 
     def dequantize(self, r0: int = 0, r1: int | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
