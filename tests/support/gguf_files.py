@@ -106,9 +106,10 @@ def add_metadata(w: gguf.GGUFWriter, model_dir: pathlib.Path, arch: str) -> None
 
 
 def write_split_gguf(model_dir, arch: str, out_dir, parts: int = 2,
-                     metadata: bool = False) -> list[pathlib.Path]:
-    """The tiny checkpoint in ``parts`` split files (one: ``model.gguf``), float32; only
-    the first carries the metadata (head counts, and with ``metadata`` all of it)."""
+                     metadata: bool = False, quant: Q | None = None) -> list[pathlib.Path]:
+    """The tiny checkpoint in ``parts`` split files (one: ``model.gguf``), float32 or,
+    with ``quant``, every 2-D tensor in that block type (gguf.quants.quantize); only the
+    first carries the metadata (head counts, and with ``metadata`` all of it)."""
     model_dir = pathlib.Path(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
     tensors = gguf_tensors_of(model_dir, arch)
@@ -127,7 +128,11 @@ def write_split_gguf(model_dir, arch: str, out_dir, parts: int = 2,
             w.add_uint16("split.no", i)
             w.add_uint16("split.count", parts)
         for n in names[i::parts]:
-            w.add_tensor(n, tensors[n], raw_dtype=Q.F32)
+            t = tensors[n]
+            if quant is not None and t.ndim == 2:
+                w.add_tensor(n, gguf.quants.quantize(t, quant), raw_dtype=quant)
+            else:
+                w.add_tensor(n, t, raw_dtype=Q.F32)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

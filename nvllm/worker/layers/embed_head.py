@@ -22,6 +22,10 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_sizes = shard_sizes(vocab_size, tp.world_size)
         self.vocab_start, self.vocab_end = shard_range(vocab_size, tp)
         self.shard_size = self.vocab_end - self.vocab_start
+        self.dtype = dtype
+        self.embedding_dim = hidden_size
+        # A quantized embedding's blocks (nvllm/worker/quantize.py), else None.
+        self.quant = None
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -33,10 +37,15 @@ class VocabParallelEmbedding(nn.Module):
     def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's vocabulary shard (zeros elsewhere): all-reduce to finish."""
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mask, input_ids - self.vocab_start, 0)
-        return F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return self._rows(local) * mask.unsqueeze(-1).to(self.dtype)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        return self.quant.embedding(ids, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(input_ids))

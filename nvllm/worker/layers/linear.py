@@ -25,6 +25,8 @@ def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None
     packed = layer.packed
     if packed is None:  # (_parameters: a plain dict read, cheaper than layer.weight)
         return F.linear(x, layer._parameters["weight"], bias)
+    if packed.__class__ is not torch.Tensor:  # a QuantizedWeight (worker/quantize.py)
+        return packed.matmul(x, bias)
     # Dense activations in and out: converting them to and from oneDNN tensors around
     # mkldnn_linear cost 8-25% of a call at decode sizes (512 x 1536 at 27 rows: 358 vs
     # 269 µs), ~4% at prefill sizes.
@@ -58,7 +60,14 @@ def pack_for_cpu(model: nn.Module) -> int:
 def load_slice(param: torch.Tensor, src, dim: int, start: int, end: int, dst_off: int = 0
                ) -> None:
     """Copy src[..., start:end (along dim), ...] into param at dst_off along dim, indexing
-    the lazy source by a tuple of slices (only those bytes are read)."""
+    the lazy source by a tuple of slices (only those bytes are read). A quantized
+    param (nvllm/worker/quantize.py) takes the shard in its own format."""
+    quant = getattr(param, "quant", None)
+    if quant is not None:
+        from nvllm.worker.quantize import load_quantized
+
+        load_quantized(quant, src, dim, start, end, dst_off)
+        return
     index = [slice(None)] * len(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     index[dim] = slice(start, end)
     t = src[tuple(index)]

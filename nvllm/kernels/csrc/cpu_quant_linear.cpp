@@ -1,0 +1,298 @@
+// x W^T for a weight held in groups of 32 (nvllm/worker/layers/quant.py): int8 values, or
+// int4 in GGUF's nibble order, each group with an fp16 scale and optionally an fp16 min.
+// Each group is dequantized in registers to float32 exactly as the reference does
+// (scale * q + min, or scale * (q - 8) for int4 without a min: the products are exact in
+// float32) and multiplied into float32 accumulators, one per (row of x, output column):
+// so results differ from dequantize-then-matmul only by the order of the float32 sums.
+// Built for decode (a few rows of x): every weight byte is read once per 8 rows of x.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weight
+
+// One instruction with F16C (every AVX-512 CPU has it); c10's bit-twiddling otherwise.
+inline float half_to_float(const c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+#if defined(__AVX512F__)
+// One group's 32 values as two vectors of 16 floats (values 0-15, 16-31).
+template <int BITS, bool MIN>
+inline void dequant_group(const uint8_t* q, float s, float m, __m512& w0, __m512& w1) {
+  const __m512 vs = _mm512_set1_ps(s);
+  __m512 f0, f1;
+  if constexpr (BITS == 8) {
+    f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    f1 = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  } else {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0xF));
+    __m512i hi = _mm512_srli_epi32(v, 4);
+    if constexpr (!MIN) {
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+    }
+    f0 = _mm512_cvtepi32_ps(lo);
+    f1 = _mm512_cvtepi32_ps(hi);
+  }
+  if constexpr (MIN) {
+    const __m512 vm = _mm512_set1_ps(m);
+    w0 = _mm512_fmadd_ps(f0, vs, vm);
+    w1 = _mm512_fmadd_ps(f1, vs, vm);
+  } else {
+    w0 = _mm512_mul_ps(f0, vs);
+    w1 = _mm512_mul_ps(f1, vs);
+  }
+}
+
+#endif
+
+// One group's 32 values into w (float32), the arithmetic of dot_column.
+template <int BITS, bool MIN>
+inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
+#if defined(__AVX512F__)
+  __m512 w0, w1;
+  dequant_group<BITS, MIN>(q, s, m, w0, w1);
+  _mm512_storeu_ps(w, w0);
+  _mm512_storeu_ps(w + 16, w1);
+#else
+  for (int j = 0; j < kGroup; ++j) {
+    int v;
+    if constexpr (BITS == 8) {
+      v = static_cast<int8_t>(q[j]);
+    } else {
+      v = j < 16 ? (q[j] & 0xF) : (q[j - 16] >> 4);
+      if constexpr (!MIN) v -= 8;
+    }
+    w[j] = MIN ? static_cast<float>(v) * s + m : static_cast<float>(v) * s;
+  }
+#endif
+}
+
+#if defined(__AVX512F__)
+// out[r, n] for R rows of x (float32, [R, K] at stride K) and one output column n.
+template <int BITS, bool MIN, int R>
+inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
+                       const c10::Half* m, float* acc_out) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t G = K / kGroup;
+  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 w0, w1;
+    dequant_group<BITS, MIN>(q + g * gbytes, half_to_float(s[g]),
+                             MIN ? half_to_float(m[g]) : 0.f, w0, w1);
+    const float* xg = x + g * kGroup;
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * K), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * K + 16), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#else
+// Portable: the same arithmetic, one group dequantized into a float buffer at a time.
+template <int BITS, bool MIN, int R>
+inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
+                       const c10::Half* m, float* acc_out) {
+  float acc[R][kGroup] = {};
+  const int64_t G = K / kGroup;
+  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  float w[kGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    dequant_to<BITS, MIN>(q + g * gbytes, half_to_float(s[g]), MIN ? half_to_float(m[g]) : 0.f,
+                          w);
+    const float* xg = x + g * kGroup;
+    for (int r = 0; r < R; ++r) {
+#pragma omp simd
+      for (int j = 0; j < kGroup; ++j) acc[r][j] += w[j] * xg[r * K + j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float t = 0.f;
+    for (int j = 0; j < kGroup; ++j) t += acc[r][j];
+    acc_out[r] = t;
+  }
+}
+#endif
+
+// Rows [N, K] of the weight dequantized into out (float32, or bfloat16 rounded to nearest
+// even as torch rounds): what the reference computes, in one pass.
+template <int BITS, bool MIN, typename T>
+void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Half* scales,
+                  const c10::Half* mins) {
+  const int64_t G = K / kGroup;
+  const int64_t qrow = BITS == 8 ? K : K / 2;
+  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float w[kGroup];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = out + n * K + g * kGroup;
+        const float sc = half_to_float(scales[n * G + g]);
+        const float mn = MIN ? half_to_float(mins[n * G + g]) : 0.f;
+        if constexpr (std::is_same_v<T, float>) {
+          dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, o);
+        } else {
+          dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, w);
+          for (int j = 0; j < kGroup; ++j) o[j] = nvllm_cpu::from_float<T>(w[j]);
+        }
+      }
+    }
+  });
+}
+
+template <int BITS, bool MIN, int R, typename T>
+void rows_pass(T* out, const float* x, int64_t K, int64_t N, const uint8_t* qw,
+               const c10::Half* scales, const c10::Half* mins) {
+  const int64_t G = K / kGroup;
+  const int64_t qrow = BITS == 8 ? K : K / 2;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float acc[R];
+    for (int64_t n = begin; n < end; ++n) {
+      dot_column<BITS, MIN, R>(x, K, qw + n * qrow, scales + n * G,
+                               MIN ? mins + n * G : nullptr, acc);
+      for (int r = 0; r < R; ++r) out[r * N + n] = nvllm_cpu::from_float<T>(acc[r]);
+    }
+  });
+}
+
+template <int BITS, bool MIN, typename T>
+void dispatch_rows(T* out, const float* x, int64_t M, int64_t K, int64_t N,
+                   const uint8_t* qw, const c10::Half* s, const c10::Half* m) {
+  for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+    const int64_t R = std::min(kMaxRows, M - r0);
+    T* o = out + r0 * N;
+    const float* xr = x + r0 * K;
+    switch (R) {
+      case 1: rows_pass<BITS, MIN, 1>(o, xr, K, N, qw, s, m); break;
+      case 2: rows_pass<BITS, MIN, 2>(o, xr, K, N, qw, s, m); break;
+      case 3: rows_pass<BITS, MIN, 3>(o, xr, K, N, qw, s, m); break;
+      case 4: rows_pass<BITS, MIN, 4>(o, xr, K, N, qw, s, m); break;
+      case 5: rows_pass<BITS, MIN, 5>(o, xr, K, N, qw, s, m); break;
+      case 6: rows_pass<BITS, MIN, 6>(o, xr, K, N, qw, s, m); break;
+      case 7: rows_pass<BITS, MIN, 7>(o, xr, K, N, qw, s, m); break;
+      default: rows_pass<BITS, MIN, 8>(o, xr, K, N, qw, s, m); break;
+    }
+  }
+}
+
+template <typename T>
+void run(T* out, const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qw,
+         const c10::Half* s, const c10::Half* m, int64_t bits) {
+  if (bits == 8) {
+    if (m) dispatch_rows<8, true>(out, x, M, K, N, qw, s, m);
+    else dispatch_rows<8, false>(out, x, M, K, N, qw, s, m);
+  } else {
+    if (m) dispatch_rows<4, true>(out, x, M, K, N, qw, s, m);
+    else dispatch_rows<4, false>(out, x, M, K, N, qw, s, m);
+  }
+}
+
+// out [M, N] and x [M, K] (contiguous, float32 or bfloat16, one dtype); qweight int8
+// [N, K] (bits 8) or uint8 [N, K / 2] (bits 4); scales and mins fp16 [N, K / 32].
+void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
+                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                  int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (bits == 8 ? K : K / 2),
+              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.size(0) == N && scales.size(1) == K / kGroup,
+              "scales: contiguous fp16 [N, K / 32]");
+  const c10::Half* m = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(), "mins: like scales");
+    m = mins->data_ptr<c10::Half>();
+  }
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
+  const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* s = scales.data_ptr<c10::Half>();
+  if (x.scalar_type() == at::kFloat) {
+    run(out.data_ptr<float>(), x.data_ptr<float>(), M, K, N, qw, s, m, bits);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+    std::vector<float> xf(M * K);
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = nvllm_cpu::to_float(xb[i]);
+    run(reinterpret_cast<uint16_t*>(out.data_ptr()), xf.data(), M, K, N, qw, s, m, bits);
+  }
+}
+
+// out [N, K] (float32 or bfloat16, contiguous): the weight's values.
+void quant_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous [N, K]");
+  const int64_t N = out.size(0), K = out.size(1);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(0) == N &&
+                  qweight.size(1) == (bits == 8 ? K : K / 2),
+              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.size(0) == N && scales.size(1) == K / kGroup,
+              "scales: contiguous fp16 [N, K / 32]");
+  const c10::Half* m = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(), "mins: like scales");
+    m = mins->data_ptr<c10::Half>();
+  }
+  const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* s = scales.data_ptr<c10::Half>();
+  auto go = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    if (bits == 8) {
+      if (m) dequant_rows<8, true, T>(o, K, N, qw, s, m);
+      else dequant_rows<8, false, T>(o, K, N, qw, s, m);
+    } else {
+      if (m) dequant_rows<4, true, T>(o, K, N, qw, s, m);
+      else dequant_rows<4, false, T>(o, K, N, qw, s, m);
+    }
+  };
+  if (out.scalar_type() == at::kFloat) {
+    go(out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be float32 or bfloat16");
+    go(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nvllm_cpu, m) {
+  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor? mins, "
+        "int bits) -> ()");
+  m.def("quant_dequantize(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor? mins, "
+        "int bits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -1,0 +1,98 @@
+"""Time x W^T on SmolLM2-135M's linear shapes, per row count: nvllm's quantized weights
+(the native op, csrc/cpu_quant_linear.cpp, and the dequantize-a-tile-then-torch.mm path),
+dense float32 / bfloat16 F.linear, oneDNN-packed float32, and torch's own weight-only ops
+(``_weight_int8pack_mm``: one scale per output channel; ``_weight_int4pack_mm_for_cpu``:
+groups of 32 with a scale and a zero point). Prints one row per (shape, rows): microseconds,
+the minimum of --repeat timings (on a shared machine the minimum is what compares).
+
+    PYTHONPATH=$PWD python scripts/bench_quant_linear.py [--threads 2] [--rows 1,2,4,8,16,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nvllm.kernels import cpu_ops
+from nvllm.worker.layers.quant import INT4_MIN, INT8, QuantizedWeight, quantize
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+
+
+def timeit(fn, repeat: int) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.05:  # calls per timing: about 50 ms worth
+        fn()
+        n += 1
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n)
+    return min(times) * 1e6
+
+
+def candidates(n: int, k: int, m: int):
+    w = torch.randn(n, k) * 0.05
+    x32 = torch.randn(m, k)
+    x16 = x32.bfloat16()
+    out = {}
+    out["dense f32"] = lambda: F.linear(x32, w)
+    wb = w.bfloat16()
+    out["dense bf16"] = lambda: F.linear(x16, wb)
+    packed = w.to_mkldnn()
+    out["onednn f32"] = lambda: torch.ops.mkldnn._linear_pointwise(x32, packed, None, "none",
+                                                                    [], "")
+    for fmt in (INT4_MIN, INT8):
+        qw = QuantizedWeight(fmt, n, k)
+        qw.write(0, 0, *quantize(w, fmt))
+        if cpu_ops.load():
+            out[f"nvllm {fmt.name} native f32"] = \
+                lambda qw=qw: cpu_ops.quant_linear(x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+            out[f"nvllm {fmt.name} native bf16"] = \
+                lambda qw=qw: cpu_ops.quant_linear(x16, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+        out[f"nvllm {fmt.name} tile f32"] = lambda qw=qw: qw.matmul_tiles(x32, cpu_ops.load())
+        out[f"nvllm {fmt.name} tile bf16"] = lambda qw=qw: qw.matmul_tiles(x16, cpu_ops.load())
+    try:
+        q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+        sz32 = torch.rand(k // 32, n, 2)
+        sz16 = sz32.bfloat16()
+        out["torch int4pack f32"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x32, w4, 32, sz32)
+        out["torch int4pack bf16"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x16, w4, 32, sz16)
+    except (RuntimeError, AttributeError) as e:
+        print("no int4pack:", e)
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s8 = torch.rand(n)
+    out["torch int8pack f32"] = lambda: torch.ops.aten._weight_int8pack_mm(x32, w8, s8)
+    out["torch int8pack bf16"] = lambda: torch.ops.aten._weight_int8pack_mm(
+        x16, w8, s8.bfloat16())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        for m in map(int, args.rows.split(",")):
+            res = {c: timeit(fn, args.repeat) for c, fn in candidates(n, k, m).items()}
+            cols = "  ".join(f"{c}={t:.0f}" for c, t in res.items())
+            print(f"{name} {n}x{k} rows={m}: {cols}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""quantization=int8 / int4 on a float checkpoint: greedy tokens equal, token for token,
+those of the same model whose linear weights were replaced by their dequantized values
+(a checkpoint written here), at tp 1 and 2. Activations stay float32 in both (the
+kernels dequantize weights only), so the two runs differ only in float32 summation
+order. The real model's Q4_1 file kept quantized (the default, quantization=auto) is
+tests/e2e/test_real_model.py's HF comparison."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import hf_ref
+import pytest
+from safetensors.torch import load_file, save_file
+
+from nvllm import LLM, SamplingParams
+from nvllm.worker.layers.quant import QuantizedWeight, quantize
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 16
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time",
+         "Quantized weights are read in groups of thirty-two values."]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FORMATS = {"int8": (8, False), "int4": (4, False)}
+
+
+def dequantized_checkpoint(model_dir: str, out: Path, mode: str) -> str:
+    """model_dir with every linear weight replaced by quantize-then-dequantize of it (the
+    values quantization=mode holds)."""
+    from nvllm.worker.layers.quant import QuantFormat
+
+    shutil.copytree(model_dir, out)
+    fmt = QuantFormat(*FORMATS[mode])
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, w in tensors.items():
+            if name.endswith(".weight") and any(f".{n}." in name for n in LINEARS):
+                qw = QuantizedWeight(fmt, *w.shape)
+                qw.write(0, 0, *quantize(w, fmt))
+                tensors[name] = qw.dequantize(dtype=w.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return str(out)
+
+
+def greedy(model: str, prompts: list[list[int]], tp: int, quantization: str) -> list[list[int]]:
+    with LLM(model, device="cpu", dtype="float32", tensor_parallel_size=tp,
+             quantization=quantization, max_num_batched_tokens=32, block_size=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                           ignore_eos=True), use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    return [o.token_ids for o in outs]
+
+
+# (An engine start costs ~10 s here: each mode runs at one tp; the layer contracts of
+# tests/worker/test_quant.py cover both formats at tp 1 and 2.)
+@pytest.mark.parametrize("mode,tp", [("int8", 2), ("int4", 1)])
+def test_quantized_at_load_equals_dequantized_checkpoint(tiny, tmp_path, mode, tp):
+    model = tiny("qwen3")
+    tok = hf_ref.hf_tokenizer(model)
+    prompts = [tok(t).input_ids for t in TEXTS]
+    deq = dequantized_checkpoint(model, tmp_path / "deq", mode)
+    # every linear weight changed (else the comparison would prove nothing)
+    for f in Path(model).glob("*.safetensors"):
+        orig, new = load_file(f), load_file(Path(deq) / f.name)
+        changed = [n for n in orig if any(f".{x}." in n for x in LINEARS)
+                   and not orig[n].equal(new[n])]
+        assert len(changed) == 7 * 2  # 7 linears x 2 layers
+    want = greedy(deq, prompts, 1, "none")
+    assert greedy(model, prompts, tp, mode) == want, f"{mode} tp={tp}"
