@@ -70,7 +70,8 @@ class ModelRunner:
                                               config.model_info.layer_windows,
                                               expert_parallel=config.enable_expert_parallel)
         # Layers held quantized (module name -> format), made so before loading.
-        self.quantized = quantize_model(self.model, config.source, config.quantization)
+        self.quantized = quantize_model(self.model, config.source, config.quantization,
+                                        device)
         # (seconds, peak RSS MiB): reported to the leader, which logs them
         self.load_stats = load_weights(self.model, config.source,
                                        show_progress=tp.rank == 0)

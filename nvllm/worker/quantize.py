@@ -132,9 +132,17 @@ def quantize_module(m: nn.Module, fmt: QuantFormat) -> bool:
     return True
 
 
-def quantize_model(model: nn.Module, source, mode: str) -> dict[str, str]:
+def quantize_model(model: nn.Module, source, mode: str,
+                   device: torch.device | str = "cpu") -> dict[str, str]:
     """Make the layers ``mode`` quantizes quantized (before loading); returns module
-    name -> format name of those that are."""
+    name -> format name of those that are. ``auto`` off the CPU loads dense: the only
+    kernels are CPU ones, and the reference path (dequantize every weight at every
+    matmul) would make a GPU slower than dense weights; an explicit int8/int4 is honoured
+    everywhere (correct, and the user asked)."""
+    if mode == "auto" and torch.device(device).type != "cpu":
+        logger.info("quantization=auto on %s: weights load dense (quantized kernels are "
+                    "CPU-only so far)", device)
+        return {}
     formats = plan(model, source, mode)
     modules = _quantizable(model)
     done = {name: fmt.name for name, fmt in formats.items()

@@ -221,6 +221,18 @@ def test_float_checkpoint_quantized_at_load_and_uneven_groups_stay_dense(tiny):
     assert quantize_model(_model(cfg, 0, 1), source, "none") == {}
 
 
+def test_auto_loads_dense_off_the_cpu_and_explicit_modes_hold(tiny, tmp_path):
+    """The quantized kernels are CPU ones: on a GPU, `auto` keeps a GGUF file's weights
+    dense (the reference path would dequantize every weight at every matmul); an explicit
+    int8 is honoured (the layers are only planned here, nothing runs on the device)."""
+    model_dir = Path(tiny("llama"))
+    source = _gguf_source(model_dir, "llama", tmp_path, Q.Q8_0)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    assert quantize_model(_model(cfg, 0, 1), source, "auto", "cuda") == {}
+    assert len(quantize_model(_model(cfg, 0, 1), source, "auto", "cpu")) == 10
+    assert len(quantize_model(_model(cfg, 0, 1), source, "int8", "cuda")) == 8
+
+
 def test_tied_head_shares_the_embedding_blocks(tiny, tmp_path):
     model_dir = Path(tiny("llama3"))  # tie_word_embeddings
     source = _gguf_source(model_dir, "llama", tmp_path, Q.Q8_0)
