@@ -252,14 +252,16 @@ class LLMEngine:
             # no plan is sent while one with drafts is in flight (the workers' count of a
             # verifying sequence's tokens is known only once its result is).
             num_running = len(self.scheduler.running)
-            speculate = self.scheduler.speculating() and (
-                self.spec_gate is None or self.spec_gate.allow(num_running))
+            # The gate's answer also decides whether a draft model drafts after this
+            # step: with speculation off here its drafts would be dropped unused.
+            allowed = self.spec_gate is None or self.spec_gate.allow(num_running)
+            speculate = allowed and self.scheduler.speculating()
             self._step_tokens = 0
             depth = 0 if speculate or any(f.sched.spec_tokens for f in self._inflight) \
                 else self._depth
             keep = depth  # an interrupted step owes results: take those first
             if len(self._inflight) <= depth:
-                sched = self.scheduler.schedule(speculate)
+                sched = self.scheduler.schedule(speculate, ask_drafts=allowed)
                 if sched.scheduled or (self.scheduler.finished_seq_ids and not self._inflight):
                     # (No sequences but drops: the workers free those sequences' state,
                     # their CPU K/V copies included, now rather than at the next request.)

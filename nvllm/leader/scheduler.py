@@ -137,19 +137,21 @@ class Scheduler:
         ids, self.finished_seq_ids = self.finished_seq_ids, []
         return ids
 
-    def schedule(self, propose: bool = True) -> SchedulerOutput:
+    def schedule(self, propose: bool = True, ask_drafts: bool = True) -> SchedulerOutput:
         """The next step; `propose`: speculative drafts allowed (the engine passes
-        ``speculating()``, which also made this step synchronous)."""
-        out = self._schedule(propose)
+        ``speculating()``, which also made this step synchronous); `ask_drafts`: a draft
+        model may draft after this step for the next (false where speculation is off at
+        this batch size: drafts made then would be dropped unused)."""
+        out = self._schedule(propose, ask_drafts)
         self._update_after_schedule(out)
         return out
 
-    def _schedule(self, propose: bool) -> SchedulerOutput:
+    def _schedule(self, propose: bool, ask_drafts: bool = True) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         drafts = self._propose() if propose else {}
-        la = self._draft_k()
+        la = self._draft_k() if ask_drafts else 0
 
         # 1. Running sequences: decodes and continuing prefill chunks.
         i = 0
