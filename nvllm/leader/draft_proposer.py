@@ -24,17 +24,15 @@ from __future__ import annotations
 import numpy as np
 
 from nvllm.common.speculative import SpeculativeConfig
-from nvllm.leader.ngram_proposer import AcceptanceGate
+from nvllm.leader.ngram_proposer import GatedProposer
 from nvllm.leader.sequence import Sequence
 
 
-class DraftModelProposer:
+class DraftModelProposer(GatedProposer):
     needs_lookahead = True
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
-        self.k = config.num_speculative_tokens
-        self._gate = AcceptanceGate(config)
+        super().__init__(config)
         # seq id -> (its length when drafted, the drafts)
         self._drafts: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -44,10 +42,6 @@ class DraftModelProposer:
             self._drafts[seq.seq_id] = (seq.num_tokens, np.asarray(drafts, np.int64))
         else:
             self._drafts.pop(seq.seq_id, None)
-
-    def eligible(self, seq: Sequence) -> bool:
-        """Whether the sequence may propose (AcceptanceGate.eligible)."""
-        return self._gate.eligible(seq)
 
     def propose(self, seqs: list[Sequence], k: int) -> dict[int, np.ndarray]:
         """Up to k drafts per sequence id, for those whose drafts match their state."""
@@ -60,11 +54,5 @@ class DraftModelProposer:
                 out[seq.seq_id] = got[1][:k]
         return out
 
-    def observe(self, seq_id: int, num_drafted: int, num_accepted: int,
-                num_tokens: int = 0) -> None:
-        """One verify step's outcome for a sequence (AcceptanceGate.observe)."""
-        self._gate.observe(seq_id, num_drafted, num_accepted, num_tokens)
-
-    def drop(self, seq_id: int) -> None:
+    def _forget(self, seq_id: int) -> None:
         self._drafts.pop(seq_id, None)
-        self._gate.drop(seq_id)

@@ -103,15 +103,40 @@ def propose_ngram(tokens: np.ndarray, k: int, nmin: int, nmax: int) -> np.ndarra
     return tokens[end + 1:end + 1 + k]
 
 
-class NgramProposer:
+class GatedProposer:
+    """What every proposer shares: its config, k, and the per-sequence AcceptanceGate
+    (``eligible``, ``observe``, ``drop``); a subclass proposes and forgets its own state
+    of a sequence (``_forget``)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        self._gate = AcceptanceGate(config)
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Whether the sequence may propose (AcceptanceGate.eligible)."""
+        return self._gate.eligible(seq)
+
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int,
+                num_tokens: int = 0) -> None:
+        """One verify step's outcome for a sequence (AcceptanceGate.observe)."""
+        self._gate.observe(seq_id, num_drafted, num_accepted, num_tokens)
+
+    def drop(self, seq_id: int) -> None:
+        self._forget(seq_id)
+        self._gate.drop(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+
+class NgramProposer(GatedProposer):
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
         self.nmin = config.prompt_lookup_min
         self.nmax = config.prompt_lookup_max
         self.window = config.lookup_window
         self._seqs: dict[int, _SeqState] = {}
-        self._gate = AcceptanceGate(config)
 
     def _state(self, seq: Sequence) -> _SeqState:
         st = self._seqs.get(seq.seq_id)
@@ -130,10 +155,6 @@ class NgramProposer:
             st.n = n
         return st
 
-    def eligible(self, seq: Sequence) -> bool:
-        """Whether the sequence may propose (AcceptanceGate.eligible)."""
-        return self._gate.eligible(seq)
-
     def propose(self, seqs: list[Sequence], k: int) -> dict[int, np.ndarray]:
         """Draft tokens (up to k) per sequence id, for those with a match."""
         out: dict[int, np.ndarray] = {}
@@ -147,14 +168,8 @@ class NgramProposer:
                 out[seq.seq_id] = d.copy()
         return out
 
-    def observe(self, seq_id: int, num_drafted: int, num_accepted: int,
-                num_tokens: int = 0) -> None:
-        """One verify step's outcome for a sequence (AcceptanceGate.observe)."""
-        self._gate.observe(seq_id, num_drafted, num_accepted, num_tokens)
-
-    def drop(self, seq_id: int) -> None:
+    def _forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
-        self._gate.drop(seq_id)
 
 
 def _bench() -> None:  # pragma: no cover - a measurement, quoted in the docstring
