@@ -2,7 +2,7 @@
 
 A quantized weight [N, K] is held in groups of ``GROUP`` = 32 consecutive values of a row
 (GGUF's block size), each group with an fp16 ``scale`` and, in the ``+min`` formats, an
-fp16 ``min``:
+fp16 ``min`` (float32 in ``int4+min32``, AWQ / GPTQ checkpoints' zero points):
 
 - ``int8``: ``qweight`` int8 [N, K]; value = scale * q (+ min).
 - ``int4``: ``qweight`` uint8 [N, K / 2] in GGUF's nibble order (byte j of a group holds
@@ -56,14 +56,22 @@ TILE_ROWS = 4096
 
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
-    """bits: 8 or 4; has_min: value = scale * q + min (else symmetric)."""
+    """bits: 8 or 4; has_min: value = scale * q + min (else symmetric); min_bits: 16 (fp16
+    mins, GGUF's) or 32 (float32: an AWQ / GPTQ zero point's -z * scale, which fp16
+    rounds)."""
 
     bits: int
     has_min: bool
+    min_bits: int = 16
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}{'+min' if self.has_min else ''}"
+        mins = ("+min32" if self.min_bits == 32 else "+min") if self.has_min else ""
+        return f"int{self.bits}{mins}"
+
+    @property
+    def min_dtype(self) -> torch.dtype:
+        return torch.float32 if self.min_bits == 32 else torch.float16
 
     def packed_cols(self, k: int) -> int:
         return k if self.bits == 8 else k // 2
@@ -73,6 +81,8 @@ INT8 = QuantFormat(8, False)
 INT8_MIN = QuantFormat(8, True)
 INT4 = QuantFormat(4, False)
 INT4_MIN = QuantFormat(4, True)
+# AWQ / GPTQ: scale * (q - z) = scale * q + (-z * scale), exact with a float32 min.
+INT4_MIN32 = QuantFormat(4, True, 32)
 
 
 class QuantizedWeight:
@@ -88,7 +98,7 @@ class QuantizedWeight:
         dtype = torch.int8 if fmt.bits == 8 else torch.uint8
         self.qweight = torch.zeros(n, fmt.packed_cols(k), dtype=dtype, device=device)
         self.scales = torch.zeros(n, k // GROUP, dtype=torch.float16, device=device)
-        self.mins = (torch.zeros(n, k // GROUP, dtype=torch.float16, device=device)
+        self.mins = (torch.zeros(n, k // GROUP, dtype=fmt.min_dtype, device=device)
                      if fmt.has_min else None)
 
     def nbytes(self) -> int:
