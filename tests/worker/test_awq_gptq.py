@@ -95,21 +95,12 @@ def test_unreadable_checkpoints_say_why(tmp_path):
     assert checkpoint_quant_config(tmp_path) == Int4CheckpointConfig("gptq", 0, 0)
 
 
-@pytest.fixture(scope="module")
-def qwen3_h128(tmp_path_factory) -> Path:
-    """A tiny Qwen3 whose linears' inputs are whole groups of 128 (hidden 128, MLP 384)."""
-    from nvllm.launch.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("h128"), "qwen3", hidden_size=128,
-                                intermediate_size=384, head_dim=32)
-
-
 @pytest.mark.parametrize("method,tp", [("awq", 1), ("awq", 2), ("gptq", 2)])
-def test_model_layers_hold_the_reference_values(qwen3_h128, tmp_path, method, tp):
+def test_model_layers_hold_the_reference_values(qwen3_h256, tmp_path, method, tp):
     """Each rank's quantized linears equal the dequantized float checkpoint's shards
     (o_proj's and down_proj's input split at tp 2 cuts groups of 128 on 32-column
     boundaries); the embedding and the head are float in the checkpoint and stay dense."""
-    packed, deq = write_int4_checkpoint(qwen3_h128, tmp_path / method, method)
+    packed, deq = write_int4_checkpoint(qwen3_h256, tmp_path / method, method)
     source, deq_source = resolve_model_source(packed), resolve_model_source(deq)
     cfg = AutoConfig.from_pretrained(packed)
     torch.manual_seed(0)
