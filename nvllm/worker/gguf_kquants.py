@@ -149,8 +149,9 @@ def _asym_int8(v: np.ndarray, fmt: QuantFormat):
     s = _fp16((hi - lo) / 255)
     if s is None:
         return None
-    s = np.where(s == 0, np.float16(1), s)
-    m = _fp16(lo + 128 * s.astype(np.float32))
+    flat = s == 0  # one value (or a range under fp16's least step): q = 0, min = it
+    s = np.where(flat, np.float16(1), s)
+    m = _fp16(np.where(flat, lo, lo + 128 * s.astype(np.float32)))
     if m is None:
         return None
     q = np.rint((g - m.astype(np.float32)[..., None]) / s.astype(np.float32)[..., None])

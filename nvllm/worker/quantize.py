@@ -1,19 +1,22 @@
 """Which layers of a model are held quantized (the ``quantization`` setting), turning them
 into quantized layers before the weights load, and loading a shard into one.
 
-The setting: ``none`` keeps every weight in the run dtype (GGUF blocks dequantized);
-``auto`` (the default) keeps a GGUF file's own format where a layer's blocks fit one of
-nvllm/worker/layers/quant.py's formats exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; an
-embedding and the LM head too, the file's choice), else that layer is dense (F16/F32,
-K-quants, mixed formats no engine format holds); ``int8`` / ``int4`` quantize every
-linear layer (not the embedding or the LM head) at load, round-to-nearest per group of 32,
-symmetric; a GGUF block that already fits (Q8_0/Q5/Q4 in int8, Q4_0/Q4_1 in int4, with
-a min where the file has one) is repacked as is instead.
+The setting: ``none`` keeps every weight in the run dtype (GGUF blocks, AWQ / GPTQ words
+dequantized); ``auto`` (the default) keeps a packed checkpoint's own format where a
+layer's tensors repack into one of nvllm/worker/layers/quant.py's formats: GGUF's Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 exactly, its K-quants nearly (nvllm/worker/gguf_kquants.py), AWQ /
+GPTQ exactly in ``int4+min32`` (an embedding and the LM head too where a GGUF file has
+them quantized), else that layer is dense (F16/F32, a float safetensors checkpoint);
+``int8`` / ``int4`` quantize every linear layer (not the embedding or the LM head) at
+load, round-to-nearest per group of 32, symmetric; a packed tensor that fits the width
+(GGUF blocks with a min where the file has one, AWQ / GPTQ in int8 or int4+min32) is
+repacked instead.
 
 One rule for shards: a quantized layer is cut along whole groups of 32 input columns. A
 row-parallel layer whose rank-local input columns do not start and end on a group (an
 input split that is not a multiple of 32 per rank) stays dense, logged; output rows split
-anywhere.
+anywhere. (An AWQ / GPTQ group of 128 or a K-quant super-block of 256 may be cut: each
+group of 32 inside it keeps its scale.)
 """
 
 from __future__ import annotations

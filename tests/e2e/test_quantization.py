@@ -70,3 +70,46 @@ def test_quantized_at_load_equals_dequantized_checkpoint(tiny, tmp_path, mode, t
         assert len(changed) == 7 * 2  # 7 linears x 2 layers
     want = greedy(deq, prompts, 1, "none")
     assert greedy(model, prompts, tp, mode) == want, f"{mode} tp={tp}"
+
+
+def test_awq_checkpoint_greedy_equals_its_dequantized_float_checkpoint(qwen3_h256, tmp_path):
+    """An AWQ checkpoint (tests/support/int4_checkpoints.py's packer, group 128) under
+    quantization=auto, its linears held int4+min32: token for token the greedy output of
+    the same model with those linears' dequantized values as a float checkpoint."""
+    from tests.support.int4_checkpoints import write_int4_checkpoint
+
+    packed, deq = write_int4_checkpoint(qwen3_h256, tmp_path / "awq", "awq")
+    tok = hf_ref.hf_tokenizer(str(qwen3_h256))
+    prompts = [tok(t).input_ids for t in TEXTS]
+    assert greedy(str(packed), prompts, 1, "auto") == greedy(str(deq), prompts, 1, "none")
+
+
+def test_kquant_gguf_greedy_matches_its_dequantized_float_model(qwen3_h256, tmp_path):
+    """A GGUF file of random K-quant tensors (every type: Q4_K_M's mix plus Q2_K, Q3_K,
+    Q5_K) under quantization=auto, held in groups of 32 with the bounded error of
+    nvllm/worker/gguf_kquants.py: greedy equals HF's on the dequantized float model
+    (gguf.quants.dequantize written as safetensors), up to a near-tie."""
+    import numpy as np
+    import torch
+
+    from nvllm.worker.gguf_weights import hf_name
+    from tests.support.gguf_files import write_kquant_gguf
+    from tests.worker.test_kquants import TYPES
+
+    values = write_kquant_gguf(qwen3_h256, tmp_path / "k.gguf", TYPES,
+                               np.random.default_rng(0))
+    deq = tmp_path / "deq"
+    shutil.copytree(qwen3_h256, deq)
+    for f in deq.glob("*.safetensors"):
+        tensors = load_file(f)
+        for g, v in values.items():
+            name = hf_name(g)[0]
+            if name in tensors:
+                tensors[name] = torch.from_numpy(v)
+        save_file(tensors, f, metadata={"format": "pt"})
+    tok = hf_ref.hf_tokenizer(str(qwen3_h256))
+    prompts = [tok(t).input_ids for t in TEXTS]
+    got = greedy(str(tmp_path / "k.gguf"), prompts, 1, "auto")
+    for p, g in zip(prompts, got):
+        ref = hf_ref.greedy(str(deq), p, MAX_TOKENS)
+        assert hf_ref.greedy_mismatch(str(deq), p, g, ref) is None
