@@ -205,9 +205,10 @@ def share_tied_head(model: nn.Module) -> bool:
 def load_quantized(qw: QuantizedWeight, src, dim: int, start: int, end: int,
                    dst_off: int) -> None:
     """A shard of a 2-D checkpoint tensor (rows [start, end) when dim is 0, else columns,
-    whole groups) into qw at dst_off along dim: a GGUF source's blocks repacked where
-    qw's format holds them exactly, else the shard's float values quantized; ROW_CHUNK
-    rows at a time, so neither path holds more than that many rows in float."""
+    whole groups) into qw at dst_off along dim: a packed source's own form (GGUF blocks,
+    AWQ / GPTQ words) repacked where qw's format holds it, else the shard's float values
+    quantized; ROW_CHUNK rows at a time, so neither path holds more than that many rows
+    in float."""
     shape = list(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     if len(shape) != 2:
         raise ValueError(f"a quantized layer loads 2-D tensors, not {shape}")
