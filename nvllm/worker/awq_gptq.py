@@ -88,8 +88,9 @@ def checkpoint_quant_config(model_dir: str | Path) -> Int4CheckpointConfig | Non
                              "with zero points (AutoAWQ's default)")
         offset = 0
     else:
-        fmt = str(cfg.get("checkpoint_format", cfg.get("meta", {}).get("checkpoint_format",
-                                                                         "gptq"))).lower()
+        meta = cfg.get("meta") or {}
+        fmt = str(cfg.get("checkpoint_format") or meta.get("checkpoint_format")
+                  or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"{d}: GPTQ checkpoint_format {fmt!r}; nvllm reads 'gptq' and "
                              "'gptq_v2' (re-save a Marlin / other repacked checkpoint as gptq)")
