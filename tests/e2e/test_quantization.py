@@ -3,7 +3,8 @@ those of the same model whose linear weights were replaced by their dequantized 
 (a checkpoint written here), at tp 1 and 2. Activations stay float32 in both (the
 kernels dequantize weights only), so the two runs differ only in float32 summation
 order. The real model's Q4_1 file kept quantized (the default, quantization=auto) is
-tests/e2e/test_real_model.py's HF comparison."""
+tests/e2e/test_real_model.py's HF comparison. An AWQ checkpoint and a GGUF file of
+K-quants, under quantization=auto, against their dequantized float models."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import shutil
 from pathlib import Path
 
 import hf_ref
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from nvllm import LLM, SamplingParams
+from nvllm.worker.gguf_weights import hf_name
 from nvllm.worker.layers.quant import QuantizedWeight, quantize
+from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
+from tests.support.int4_checkpoints import write_int4_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -76,8 +82,6 @@ def test_awq_checkpoint_greedy_equals_its_dequantized_float_checkpoint(qwen3_h25
     """An AWQ checkpoint (tests/support/int4_checkpoints.py's packer, group 128) under
     quantization=auto, its linears held int4+min32: token for token the greedy output of
     the same model with those linears' dequantized values as a float checkpoint."""
-    from tests.support.int4_checkpoints import write_int4_checkpoint
-
     packed, deq = write_int4_checkpoint(qwen3_h256, tmp_path / "awq", "awq")
     tok = hf_ref.hf_tokenizer(str(qwen3_h256))
     prompts = [tok(t).input_ids for t in TEXTS]
@@ -89,14 +93,7 @@ def test_kquant_gguf_greedy_matches_its_dequantized_float_model(qwen3_h256, tmp_
     Q5_K) under quantization=auto, held in groups of 32 with the bounded error of
     nvllm/worker/gguf_kquants.py: greedy equals HF's on the dequantized float model
     (gguf.quants.dequantize written as safetensors), up to a near-tie."""
-    import numpy as np
-    import torch
-
-    from nvllm.worker.gguf_weights import hf_name
-    from tests.support.gguf_files import write_kquant_gguf
-    from tests.worker.test_kquants import TYPES
-
-    values = write_kquant_gguf(qwen3_h256, tmp_path / "k.gguf", TYPES,
+    values = write_kquant_gguf(qwen3_h256, tmp_path / "k.gguf", KQUANT_MIX,
                                np.random.default_rng(0))
     deq = tmp_path / "deq"
     shutil.copytree(qwen3_h256, deq)

@@ -141,6 +141,11 @@ def write_split_gguf(model_dir, arch: str, out_dir, parts: int = 2,
     return paths
 
 
+# A Q4_K_M-like mix (Q6_K for V, down and the head), and every other K-quant, by GGUF
+# tensor-name suffix.
+KQUANT_MIX = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q3_K,
+              "ffn_gate": Q.Q2_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K,
+              "token_embd": Q.Q4_K}
 # Where each K-quant keeps its fp16 d (and dmin) fields in a 256-value super-block.
 KQUANT_F16_FIELDS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
                      Q.Q6_K: [208]}

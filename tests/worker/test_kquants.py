@@ -21,7 +21,7 @@ from nvllm.worker.layers.quant import GROUP, INT4, INT4_MIN, INT8, INT8_MIN, Qua
 from nvllm.worker.loader import load_weights
 from nvllm.worker.quantize import quantize_model
 from tests.support.float_bounds import EPS32
-from tests.support.gguf_files import random_kquant_blocks, write_kquant_gguf
+from tests.support.gguf_files import KQUANT_MIX, random_kquant_blocks, write_kquant_gguf
 from tests.worker.test_quant import _model
 
 # type -> the formats it repacks into (the first: its own, what quantization=auto picks)
@@ -71,10 +71,6 @@ def test_scales_past_fp16_are_not_repacked():
     assert repack_kquant(raw, Q.Q6_K, INT8) is None
 
 
-# A Q4_K_M-like mix (Q6_K for V, the head and the embedding), and every other K-quant.
-TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q3_K,
-         "ffn_gate": Q.Q2_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K,
-         "token_embd": Q.Q4_K}
 
 
 LAYER_TYPES = {"qkv_proj": [Q.Q4_K, Q.Q6_K], "o_proj": [Q.Q3_K], "gate_up_proj": [Q.Q2_K, Q.Q5_K],
@@ -88,7 +84,7 @@ def test_kquant_model_layers_within_bound(qwen3_h256, tmp_path, tp):
     int8+min), each rank's values within the bound of the dense load's (o_proj's input
     cut mid super-block at tp 2)."""
     path = tmp_path / "k.gguf"
-    write_kquant_gguf(qwen3_h256, path, TYPES, np.random.default_rng(0))
+    write_kquant_gguf(qwen3_h256, path, KQUANT_MIX, np.random.default_rng(0))
     source = resolve_model_source(path)
     cfg = AutoConfig.from_pretrained(qwen3_h256)
     want = {"qkv_proj": "int8+min", "o_proj": "int8", "gate_up_proj": "int8+min",
