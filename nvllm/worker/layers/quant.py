@@ -12,7 +12,9 @@ fp16 ``min`` (float32 in ``int4+min32``, AWQ / GPTQ checkpoints' zero points):
 These are GGUF's Q8_0 (int8), Q4_0 (int4), Q4_1 (int4+min) exactly, block for block and
 byte for byte, and Q5_0 / Q5_1 exactly as int8 (q - 16, and q with a min), at 34 bytes a
 group instead of their 22 / 24. Nothing is lost by the repack: each stored value
-dequantizes to the float32 that ``gguf.quants.dequantize`` gives.
+dequantizes to the float32 that ``gguf.quants.dequantize`` gives. AWQ / GPTQ's
+scale * (q - z) is ``int4+min32`` exactly (nvllm/worker/awq_gptq.py); GGUF's K-quants
+repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
 ``QuantizedWeight.matmul`` is x W^T: nvllm's native op (``csrc/cpu_quant_linear.cpp``,
 dequantize-in-register, float32 accumulation) for up to ``NATIVE_MAX_ROWS`` CPU rows,
