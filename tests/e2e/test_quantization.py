@@ -3,7 +3,8 @@ those of the same model whose linear weights were replaced by their dequantized 
 (a checkpoint written here), at tp 1 and 2. Activations stay float32 in both (the
 kernels dequantize weights only), so the two runs differ only in float32 summation
 order. The real model's Q4_1 file kept quantized (the default, quantization=auto) is
-tests/e2e/test_real_model.py's HF comparison."""
+tests/e2e/test_real_model.py's HF comparison. An AWQ checkpoint and a GGUF file of
+K-quants, under quantization=auto, against their dequantized float models."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import shutil
 from pathlib import Path
 
 import hf_ref
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from nvllm import LLM, SamplingParams
+from nvllm.worker.gguf_weights import hf_name
 from nvllm.worker.layers.quant import QuantizedWeight, quantize
+from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
+from tests.support.int4_checkpoints import write_int4_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -70,3 +76,37 @@ def test_quantized_at_load_equals_dequantized_checkpoint(tiny, tmp_path, mode, t
         assert len(changed) == 7 * 2  # 7 linears x 2 layers
     want = greedy(deq, prompts, 1, "none")
     assert greedy(model, prompts, tp, mode) == want, f"{mode} tp={tp}"
+
+
+def test_awq_checkpoint_greedy_equals_its_dequantized_float_checkpoint(qwen3_h256, tmp_path):
+    """An AWQ checkpoint (tests/support/int4_checkpoints.py's packer, group 128) under
+    quantization=auto, its linears held int4+min32: token for token the greedy output of
+    the same model with those linears' dequantized values as a float checkpoint."""
+    packed, deq = write_int4_checkpoint(qwen3_h256, tmp_path / "awq", "awq")
+    tok = hf_ref.hf_tokenizer(str(qwen3_h256))
+    prompts = [tok(t).input_ids for t in TEXTS]
+    assert greedy(str(packed), prompts, 1, "auto") == greedy(str(deq), prompts, 1, "none")
+
+
+def test_kquant_gguf_greedy_matches_its_dequantized_float_model(qwen3_h256, tmp_path):
+    """A GGUF file of random K-quant tensors (every type: Q4_K_M's mix plus Q2_K, Q3_K,
+    Q5_K) under quantization=auto, held in groups of 32 with the bounded error of
+    nvllm/worker/gguf_kquants.py: greedy equals HF's on the dequantized float model
+    (gguf.quants.dequantize written as safetensors), up to a near-tie."""
+    values = write_kquant_gguf(qwen3_h256, tmp_path / "k.gguf", KQUANT_MIX,
+                               np.random.default_rng(0))
+    deq = tmp_path / "deq"
+    shutil.copytree(qwen3_h256, deq)
+    for f in deq.glob("*.safetensors"):
+        tensors = load_file(f)
+        for g, v in values.items():
+            name = hf_name(g)[0]
+            if name in tensors:
+                tensors[name] = torch.from_numpy(v)
+        save_file(tensors, f, metadata={"format": "pt"})
+    tok = hf_ref.hf_tokenizer(str(qwen3_h256))
+    prompts = [tok(t).input_ids for t in TEXTS]
+    got = greedy(str(tmp_path / "k.gguf"), prompts, 1, "auto")
+    for p, g in zip(prompts, got):
+        ref = hf_ref.greedy(str(deq), p, MAX_TOKENS)
+        assert hf_ref.greedy_mismatch(str(deq), p, g, ref) is None

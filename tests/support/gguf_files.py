@@ -139,3 +139,54 @@ def write_split_gguf(model_dir, arch: str, out_dir, parts: int = 2,
         w.close()
         paths.append(path)
     return paths
+
+
+# A Q4_K_M-like mix (Q6_K for V, down and the head), and every other K-quant, by GGUF
+# tensor-name suffix.
+KQUANT_MIX = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q3_K,
+              "ffn_gate": Q.Q2_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K,
+              "token_embd": Q.Q4_K}
+# Where each K-quant keeps its fp16 d (and dmin) fields in a 256-value super-block.
+KQUANT_F16_FIELDS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
+                     Q.Q6_K: [208]}
+
+
+def random_kquant_blocks(qtype: Q, rows: int, cols: int, rng, scale: float = 1e-3
+                         ) -> np.ndarray:
+    """Random valid blocks [rows, bytes] of a K-quant: random integers and sub-scales,
+    d (and dmin) finite fp16 of about ``scale`` (dmin about 7 d: values near zero mean)."""
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, (n, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    d = (np.abs(rng.standard_normal(n)) + 0.5) * scale
+    for i, off in enumerate(KQUANT_F16_FIELDS[qtype]):
+        f = (d * (7 if i else 1)).astype(np.float16)
+        blocks[:, off:off + 2] = f.view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_kquant_gguf(model_dir, out: pathlib.Path, types: dict[str, Q], rng
+                      ) -> dict[str, np.ndarray]:
+    """The tiny checkpoint as a GGUF file (with its metadata) whose 2-D tensors are random
+    K-quant blocks, the type per GGUF tensor-name suffix in ``types`` (e.g. "attn_v");
+    returns each such tensor's dequantized values (gguf.quants.dequantize) by GGUF name."""
+    model_dir = pathlib.Path(model_dir)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    tensors = gguf_tensors_of(model_dir, "qwen3")
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_metadata(w, model_dir, "qwen3")
+    values = {}
+    for name, t in tensors.items():
+        kind = name.split(".")[-2]
+        if t.ndim == 2 and kind in types:
+            raw = random_kquant_blocks(types[kind], *t.shape, rng)
+            w.add_tensor(name, raw, raw_dtype=types[kind])
+            values[name] = gguf.quants.dequantize(raw, types[kind])
+        else:
+            w.add_tensor(name, t, raw_dtype=Q.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return values

@@ -199,12 +199,52 @@ def ggml_reference(qtype: Q, blocks: np.ndarray) -> np.ndarray:
                 out[:, y + l + 64] = d[:, 0] * s[:, i + 4] * q3
                 out[:, y + l + 96] = d[:, 0] * s[:, i + 6] * q4
         return out
+    if qtype in (Q.Q2_K, Q.Q3_K):
+        return _ggml_reference_q23k(qtype, blocks)
     raise AssertionError(qtype)
+
+
+def _ggml_reference_q23k(qtype: Q, blocks: np.ndarray) -> np.ndarray:
+    """dequantize_row_q2_K / dequantize_row_q3_K: two halves of 128 values, each four
+    2-bit planes of 32 (16 values per scale); Q3_K's high bit (hmask) set means no -4."""
+    n = blocks.shape[0]
+    out = np.empty((n, 256), np.float32)
+    if qtype == Q.Q2_K:
+        sc, qs = blocks[:, :16].astype(np.int32), blocks[:, 16:80].astype(np.int32)
+        d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    else:
+        hm, qs = blocks[:, :32].astype(np.int32), blocks[:, 32:96].astype(np.int32)
+        d = _f16(blocks[:, 108:110])
+        aux = blocks[:, 96:108].copy().view(np.uint32).astype(np.int64)  # [n, 3]
+        k1, k2 = 0x03030303, 0x0F0F0F0F
+        a0, a1, tmp = aux[:, 0], aux[:, 1], aux[:, 2]
+        words = np.stack([(a0 & k2) | (((tmp >> 0) & k1) << 4),
+                          (a1 & k2) | (((tmp >> 2) & k1) << 4),
+                          ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+                          ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4)], axis=1)
+        sc = words.astype(np.uint32).view(np.int8).astype(np.int32) - 32  # [n, 16]
+    i, m = 0, 1
+    for half in (0, 1):
+        q = qs[:, 32 * half:32 * half + 32]
+        for j in range(4):
+            shift = 2 * j
+            for part in (0, 1):
+                v = (q[:, 16 * part:16 * part + 16] >> shift) & 3
+                at = slice(128 * half + 32 * j + 16 * part, 128 * half + 32 * j + 16 * part + 16)
+                if qtype == Q.Q2_K:
+                    out[:, at] = (d * (sc[:, i:i + 1] & 0xF)) * v - dmin * (sc[:, i:i + 1] >> 4)
+                else:
+                    h = hm[:, 16 * part:16 * part + 16]
+                    out[:, at] = (d * sc[:, i:i + 1]) * (v - np.where(h & m, 0, 4))
+                i += 1
+            if qtype == Q.Q3_K:
+                m <<= 1
+    return out
 
 
 # Where each type keeps its float16 scale fields (random bytes there could be inf/NaN).
 _F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-               Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+               Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q2_K: [80, 82], Q.Q3_K: [108]}
 
 
 def random_tensor(qtype: Q, shape: tuple[int, ...], rng) -> tuple[np.ndarray, np.ndarray]:
@@ -299,11 +339,11 @@ def test_moe_experts_read_one_at_a_time(tmp_path):
 
 def test_unreadable_type_and_architecture_are_named(tmp_path):
     rng = np.random.default_rng(2)
-    path = tmp_path / "q2.gguf"
+    path = tmp_path / "iq4.gguf"
     write_gguf(path, "llama", {"blk.0.ffn_up.weight": (
-        Q.Q2_K, rng.integers(0, 256, (2, 84), dtype=np.uint8))})
+        Q.IQ4_NL, rng.integers(0, 256, (2, 18), dtype=np.uint8))})
     reader, arch, heads, kv = open_gguf(str(path))
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight has type Q2_K.*Q4_K"):
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight has type IQ4_NL.*Q4_K"):
         list(gguf_tensors(reader, arch, heads, kv))
     with pytest.raises(ValueError, match=r"'phi3' is not supported.*qwen3moe"):
         list(gguf_tensors(reader, "phi3", heads, kv))

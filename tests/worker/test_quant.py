@@ -32,6 +32,7 @@ from nvllm.worker.layers.quant import (
     GROUP,
     INT4,
     INT4_MIN,
+    INT4_MIN32,
     INT8,
     INT8_MIN,
     QuantizedWeight,
@@ -118,7 +119,8 @@ def matmul_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops did not build here")
-@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+# (int4+min32: float32 mins, AWQ / GPTQ's -z * scale; random ones no fp16 holds)
+@pytest.mark.parametrize("fmt", [*ALL, INT4_MIN32], ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_native_op_equals_dequantize_then_matmul(fmt, dtype):
     gen = torch.Generator().manual_seed(1)

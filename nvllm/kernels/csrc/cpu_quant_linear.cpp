@@ -1,5 +1,6 @@
 // x W^T for a weight held in groups of 32 (nvllm/worker/layers/quant.py): int8 values, or
-// int4 in GGUF's nibble order, each group with an fp16 scale and optionally an fp16 min.
+// int4 in GGUF's nibble order, each group with an fp16 scale and optionally a min (fp16,
+// or float32 for AWQ / GPTQ zero points).
 // Each group is dequantized in registers to float32 exactly as the reference does
 // (scale * q + min, or scale * (q - 8) for int4 without a min: the products are exact in
 // float32) and multiplied into float32 accumulators, one per (row of x, output column):
@@ -33,6 +34,9 @@ inline float half_to_float(const c10::Half h) {
   return static_cast<float>(h);
 #endif
 }
+// A min is fp16 (GGUF's) or float32 (-z * scale of AWQ / GPTQ zero points, exact only
+// in float32).
+inline float half_to_float(const float v) { return v; }
 
 #if defined(__AVX512F__)
 // One group's 32 values as two vectors of 16 floats (values 0-15, 16-31).
@@ -91,9 +95,9 @@ inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
 
 #if defined(__AVX512F__)
 // out[r, n] for R rows of x (float32, [R, K] at stride K) and one output column n.
-template <int BITS, bool MIN, int R>
+template <int BITS, bool MIN, int R, typename MT>
 inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
-                       const c10::Half* m, float* acc_out) {
+                       const MT* m, float* acc_out) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t G = K / kGroup;
@@ -112,9 +116,9 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
 }
 #else
 // Portable: the same arithmetic, one group dequantized into a float buffer at a time.
-template <int BITS, bool MIN, int R>
+template <int BITS, bool MIN, int R, typename MT>
 inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
-                       const c10::Half* m, float* acc_out) {
+                       const MT* m, float* acc_out) {
   float acc[R][kGroup] = {};
   const int64_t G = K / kGroup;
   constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
@@ -138,9 +142,9 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
 
 // Rows [N, K] of the weight dequantized into out (float32, or bfloat16 rounded to nearest
 // even as torch rounds): what the reference computes, in one pass.
-template <int BITS, bool MIN, typename T>
+template <int BITS, bool MIN, typename T, typename MT>
 void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Half* scales,
-                  const c10::Half* mins) {
+                  const MT* mins) {
   const int64_t G = K / kGroup;
   const int64_t qrow = BITS == 8 ? K : K / 2;
   constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
@@ -162,50 +166,50 @@ void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Ha
   });
 }
 
-template <int BITS, bool MIN, int R, typename T>
+template <int BITS, bool MIN, int R, typename T, typename MT>
 void rows_pass(T* out, const float* x, int64_t K, int64_t N, const uint8_t* qw,
-               const c10::Half* scales, const c10::Half* mins) {
+               const c10::Half* scales, const MT* mins) {
   const int64_t G = K / kGroup;
   const int64_t qrow = BITS == 8 ? K : K / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float acc[R];
     for (int64_t n = begin; n < end; ++n) {
-      dot_column<BITS, MIN, R>(x, K, qw + n * qrow, scales + n * G,
+      dot_column<BITS, MIN, R, MT>(x, K, qw + n * qrow, scales + n * G,
                                MIN ? mins + n * G : nullptr, acc);
       for (int r = 0; r < R; ++r) out[r * N + n] = nvllm_cpu::from_float<T>(acc[r]);
     }
   });
 }
 
-template <int BITS, bool MIN, typename T>
+template <int BITS, bool MIN, typename T, typename MT>
 void dispatch_rows(T* out, const float* x, int64_t M, int64_t K, int64_t N,
-                   const uint8_t* qw, const c10::Half* s, const c10::Half* m) {
+                   const uint8_t* qw, const c10::Half* s, const MT* m) {
   for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
     const int64_t R = std::min(kMaxRows, M - r0);
     T* o = out + r0 * N;
     const float* xr = x + r0 * K;
     switch (R) {
-      case 1: rows_pass<BITS, MIN, 1>(o, xr, K, N, qw, s, m); break;
-      case 2: rows_pass<BITS, MIN, 2>(o, xr, K, N, qw, s, m); break;
-      case 3: rows_pass<BITS, MIN, 3>(o, xr, K, N, qw, s, m); break;
-      case 4: rows_pass<BITS, MIN, 4>(o, xr, K, N, qw, s, m); break;
-      case 5: rows_pass<BITS, MIN, 5>(o, xr, K, N, qw, s, m); break;
-      case 6: rows_pass<BITS, MIN, 6>(o, xr, K, N, qw, s, m); break;
-      case 7: rows_pass<BITS, MIN, 7>(o, xr, K, N, qw, s, m); break;
-      default: rows_pass<BITS, MIN, 8>(o, xr, K, N, qw, s, m); break;
+      case 1: rows_pass<BITS, MIN, 1, T, MT>(o, xr, K, N, qw, s, m); break;
+      case 2: rows_pass<BITS, MIN, 2, T, MT>(o, xr, K, N, qw, s, m); break;
+      case 3: rows_pass<BITS, MIN, 3, T, MT>(o, xr, K, N, qw, s, m); break;
+      case 4: rows_pass<BITS, MIN, 4, T, MT>(o, xr, K, N, qw, s, m); break;
+      case 5: rows_pass<BITS, MIN, 5, T, MT>(o, xr, K, N, qw, s, m); break;
+      case 6: rows_pass<BITS, MIN, 6, T, MT>(o, xr, K, N, qw, s, m); break;
+      case 7: rows_pass<BITS, MIN, 7, T, MT>(o, xr, K, N, qw, s, m); break;
+      default: rows_pass<BITS, MIN, 8, T, MT>(o, xr, K, N, qw, s, m); break;
     }
   }
 }
 
-template <typename T>
+template <typename T, typename MT>
 void run(T* out, const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qw,
-         const c10::Half* s, const c10::Half* m, int64_t bits) {
+         const c10::Half* s, const MT* m, int64_t bits) {
   if (bits == 8) {
-    if (m) dispatch_rows<8, true>(out, x, M, K, N, qw, s, m);
-    else dispatch_rows<8, false>(out, x, M, K, N, qw, s, m);
+    if (m) dispatch_rows<8, true, T, MT>(out, x, M, K, N, qw, s, m);
+    else dispatch_rows<8, false, T, MT>(out, x, M, K, N, qw, s, m);
   } else {
-    if (m) dispatch_rows<4, true>(out, x, M, K, N, qw, s, m);
-    else dispatch_rows<4, false>(out, x, M, K, N, qw, s, m);
+    if (m) dispatch_rows<4, true, T, MT>(out, x, M, K, N, qw, s, m);
+    else dispatch_rows<4, false, T, MT>(out, x, M, K, N, qw, s, m);
   }
 }
 
@@ -224,24 +228,27 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.size(0) == N && scales.size(1) == K / kGroup,
               "scales: contiguous fp16 [N, K / 32]");
-  const c10::Half* m = nullptr;
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
-                    mins->sizes() == scales.sizes(), "mins: like scales");
-    m = mins->data_ptr<c10::Half>();
+    TORCH_CHECK((mins->scalar_type() == at::kHalf || mins->scalar_type() == at::kFloat) &&
+                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "mins: fp16 or float32, shaped like scales");
   }
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
   const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
-  if (x.scalar_type() == at::kFloat) {
-    run(out.data_ptr<float>(), x.data_ptr<float>(), M, K, N, qw, s, m, bits);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-    std::vector<float> xf(M * K);
-    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = nvllm_cpu::to_float(xb[i]);
-    run(reinterpret_cast<uint16_t*>(out.data_ptr()), xf.data(), M, K, N, qw, s, m, bits);
-  }
+  auto go = [&](auto* m) {
+    if (x.scalar_type() == at::kFloat) {
+      run(out.data_ptr<float>(), x.data_ptr<float>(), M, K, N, qw, s, m, bits);
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+      std::vector<float> xf(M * K);
+      const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+      for (int64_t i = 0; i < M * K; ++i) xf[i] = nvllm_cpu::to_float(xb[i]);
+      run(reinterpret_cast<uint16_t*>(out.data_ptr()), xf.data(), M, K, N, qw, s, m, bits);
+    }
+  };
+  if (mins.has_value() && mins->scalar_type() == at::kFloat) go(mins->data_ptr<float>());
+  else go(mins.has_value() ? mins->data_ptr<c10::Half>() : static_cast<c10::Half*>(nullptr));
 }
 
 // out [N, K] (float32 or bfloat16, contiguous): the weight's values.
@@ -257,30 +264,34 @@ void quant_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.size(0) == N && scales.size(1) == K / kGroup,
               "scales: contiguous fp16 [N, K / 32]");
-  const c10::Half* m = nullptr;
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
-                    mins->sizes() == scales.sizes(), "mins: like scales");
-    m = mins->data_ptr<c10::Half>();
+    TORCH_CHECK((mins->scalar_type() == at::kHalf || mins->scalar_type() == at::kFloat) &&
+                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "mins: fp16 or float32, shaped like scales");
   }
   const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
-  auto go = [&](auto* o) {
+  auto go = [&](auto* o, auto* m) {
     using T = std::remove_pointer_t<decltype(o)>;
+    using MT = std::remove_const_t<std::remove_pointer_t<decltype(m)>>;
     if (bits == 8) {
-      if (m) dequant_rows<8, true, T>(o, K, N, qw, s, m);
-      else dequant_rows<8, false, T>(o, K, N, qw, s, m);
+      if (m) dequant_rows<8, true, T, MT>(o, K, N, qw, s, m);
+      else dequant_rows<8, false, T, MT>(o, K, N, qw, s, m);
     } else {
-      if (m) dequant_rows<4, true, T>(o, K, N, qw, s, m);
-      else dequant_rows<4, false, T>(o, K, N, qw, s, m);
+      if (m) dequant_rows<4, true, T, MT>(o, K, N, qw, s, m);
+      else dequant_rows<4, false, T, MT>(o, K, N, qw, s, m);
     }
   };
-  if (out.scalar_type() == at::kFloat) {
-    go(out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be float32 or bfloat16");
-    go(reinterpret_cast<uint16_t*>(out.data_ptr()));
-  }
+  auto with_out = [&](auto* m) {
+    if (out.scalar_type() == at::kFloat) {
+      go(out.data_ptr<float>(), m);
+    } else {
+      TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be float32 or bfloat16");
+      go(reinterpret_cast<uint16_t*>(out.data_ptr()), m);
+    }
+  };
+  if (mins.has_value() && mins->scalar_type() == at::kFloat) with_out(mins->data_ptr<float>());
+  else with_out(mins.has_value() ? mins->data_ptr<c10::Half>() : static_cast<c10::Half*>(nullptr));
 }
 
 }  // namespace

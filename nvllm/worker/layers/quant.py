@@ -2,7 +2,7 @@
 
 A quantized weight [N, K] is held in groups of ``GROUP`` = 32 consecutive values of a row
 (GGUF's block size), each group with an fp16 ``scale`` and, in the ``+min`` formats, an
-fp16 ``min``:
+fp16 ``min`` (float32 in ``int4+min32``, AWQ / GPTQ checkpoints' zero points):
 
 - ``int8``: ``qweight`` int8 [N, K]; value = scale * q (+ min).
 - ``int4``: ``qweight`` uint8 [N, K / 2] in GGUF's nibble order (byte j of a group holds
@@ -12,7 +12,9 @@ fp16 ``min``:
 These are GGUF's Q8_0 (int8), Q4_0 (int4), Q4_1 (int4+min) exactly, block for block and
 byte for byte, and Q5_0 / Q5_1 exactly as int8 (q - 16, and q with a min), at 34 bytes a
 group instead of their 22 / 24. Nothing is lost by the repack: each stored value
-dequantizes to the float32 that ``gguf.quants.dequantize`` gives.
+dequantizes to the float32 that ``gguf.quants.dequantize`` gives. AWQ / GPTQ's
+scale * (q - z) is ``int4+min32`` exactly (nvllm/worker/awq_gptq.py); GGUF's K-quants
+repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
 ``QuantizedWeight.matmul`` is x W^T: nvllm's native op (``csrc/cpu_quant_linear.cpp``,
 dequantize-in-register, float32 accumulation) for up to ``NATIVE_MAX_ROWS`` CPU rows,
@@ -56,14 +58,22 @@ TILE_ROWS = 4096
 
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
-    """bits: 8 or 4; has_min: value = scale * q + min (else symmetric)."""
+    """bits: 8 or 4; has_min: value = scale * q + min (else symmetric); min_bits: 16 (fp16
+    mins, GGUF's) or 32 (float32: an AWQ / GPTQ zero point's -z * scale, which fp16
+    rounds)."""
 
     bits: int
     has_min: bool
+    min_bits: int = 16
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}{'+min' if self.has_min else ''}"
+        mins = ("+min32" if self.min_bits == 32 else "+min") if self.has_min else ""
+        return f"int{self.bits}{mins}"
+
+    @property
+    def min_dtype(self) -> torch.dtype:
+        return torch.float32 if self.min_bits == 32 else torch.float16
 
     def packed_cols(self, k: int) -> int:
         return k if self.bits == 8 else k // 2
@@ -73,6 +83,8 @@ INT8 = QuantFormat(8, False)
 INT8_MIN = QuantFormat(8, True)
 INT4 = QuantFormat(4, False)
 INT4_MIN = QuantFormat(4, True)
+# AWQ / GPTQ: scale * (q - z) = scale * q + (-z * scale), exact with a float32 min.
+INT4_MIN32 = QuantFormat(4, True, 32)
 
 
 class QuantizedWeight:
@@ -88,7 +100,7 @@ class QuantizedWeight:
         dtype = torch.int8 if fmt.bits == 8 else torch.uint8
         self.qweight = torch.zeros(n, fmt.packed_cols(k), dtype=dtype, device=device)
         self.scales = torch.zeros(n, k // GROUP, dtype=torch.float16, device=device)
-        self.mins = (torch.zeros(n, k // GROUP, dtype=torch.float16, device=device)
+        self.mins = (torch.zeros(n, k // GROUP, dtype=fmt.min_dtype, device=device)
                      if fmt.has_min else None)
 
     def nbytes(self) -> int:
