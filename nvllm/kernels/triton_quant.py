@@ -41,6 +41,7 @@ from nvllm.kernels.triton_attention import _dot_precision, _dot_upcast, _mma
 from nvllm.kernels.triton_layer_ops import _cast
 
 GROUP = 32  # values per scale (nvllm/worker/layers/quant.py's GROUP)
+_G = tl.constexpr(GROUP)  # the same, as a kernel may read a global
 # Triton's float8e4nv (e4m3) exists from compute capability 8.9; sm_90 is the target that
 # is compiled and checked ahead of time (nvllm/kernels/triton_aot.py).
 FP8_MIN_ARCH = 89
@@ -98,14 +99,14 @@ def _quant_matmul_kernel(
     x_row = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     q_col = q_ptr + cols[None, :].to(tl.int64) * stride_qn
     s_col = cols[None, :].to(tl.int64) * stride_sn
-    n_groups = K // GROUP
+    n_groups = K // _G
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS == 4:
-        HALF: tl.constexpr = GROUP // 2
+        HALF: tl.constexpr = _G // 2
         j = tl.arange(0, GROUPS_PER_STEP * HALF)   # byte of the step
         g = j // HALF                               # its group within the step
-        k_lo = g * GROUP + j % HALF                 # the value its low nibble holds
+        k_lo = g * _G + j % HALF                 # the value its low nibble holds
         for g0 in range(0, n_groups, GROUPS_PER_STEP):
             k_mask = (g0 + g) < n_groups
             w_mask = k_mask[:, None] & col_mask[None, :]
@@ -115,25 +116,25 @@ def _quant_matmul_kernel(
             if HAS_MIN:
                 mn = tl.load(mn_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
             x_mask = row_mask[:, None] & k_mask[None, :]
-            x_lo = tl.load(x_row + (g0 * GROUP + k_lo)[None, :], mask=x_mask, other=0.0)
-            x_hi = tl.load(x_row + (g0 * GROUP + HALF + k_lo)[None, :], mask=x_mask,
+            x_lo = tl.load(x_row + (g0 * _G + k_lo)[None, :], mask=x_mask, other=0.0)
+            x_hi = tl.load(x_row + (g0 * _G + HALF + k_lo)[None, :], mask=x_mask,
                            other=0.0)
             w_lo = _dequant(b & 0xF, s, mn, HAS_MIN, 8, dtype)
             w_hi = _dequant(b >> 4, s, mn, HAS_MIN, 8, dtype)
             acc = _mma(x_lo, w_lo, acc, DOT_PRECISION, DOT_UPCAST)
             acc = _mma(x_hi, w_hi, acc, DOT_PRECISION, DOT_UPCAST)
     else:
-        kk = tl.arange(0, GROUPS_PER_STEP * GROUP)
-        g = kk // GROUP
+        kk = tl.arange(0, GROUPS_PER_STEP * _G)
+        g = kk // _G
         for g0 in range(0, n_groups, GROUPS_PER_STEP):
             k_mask = (g0 + g) < n_groups
             w_mask = k_mask[:, None] & col_mask[None, :]
-            q = tl.load(q_col + (g0 * GROUP + kk)[:, None], mask=w_mask, other=0)
+            q = tl.load(q_col + (g0 * _G + kk)[:, None], mask=w_mask, other=0)
             s = tl.load(s_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
             mn = s
             if HAS_MIN:
                 mn = tl.load(mn_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
-            x = tl.load(x_row + (g0 * GROUP + kk)[None, :],
+            x = tl.load(x_row + (g0 * _G + kk)[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = _mma(x, _dequant(q, s, mn, HAS_MIN, 0, dtype), acc, DOT_PRECISION,
                        DOT_UPCAST)
