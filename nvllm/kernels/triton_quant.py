@@ -41,7 +41,9 @@ from nvllm.kernels.triton_attention import _dot_precision, _dot_upcast, _mma
 from nvllm.kernels.triton_layer_ops import _cast
 
 GROUP = 32  # values per scale (nvllm/worker/layers/quant.py's GROUP)
-_G = tl.constexpr(GROUP)  # the same, as a kernel may read a global
+# The same, as a kernel may read a global. (Keep tensors on the left of arithmetic with
+# it: under the interpreter constexpr + tensor stays a constexpr.)
+_G = tl.constexpr(GROUP)
 # Triton's float8e4nv (e4m3) exists from compute capability 8.9; sm_90 is the target that
 # is compiled and checked ahead of time (nvllm/kernels/triton_aot.py).
 FP8_MIN_ARCH = 89
@@ -110,14 +112,14 @@ def _quant_matmul_kernel(
         for g0 in range(0, n_groups, GROUPS_PER_STEP):
             k_mask = (g0 + g) < n_groups
             w_mask = k_mask[:, None] & col_mask[None, :]
-            b = tl.load(q_col + (g0 * HALF + j)[:, None], mask=w_mask, other=0)
+            b = tl.load(q_col + (j + g0 * HALF)[:, None], mask=w_mask, other=0)
             s = tl.load(s_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
             mn = s
             if HAS_MIN:
                 mn = tl.load(mn_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
             x_mask = row_mask[:, None] & k_mask[None, :]
-            x_lo = tl.load(x_row + (g0 * _G + k_lo)[None, :], mask=x_mask, other=0.0)
-            x_hi = tl.load(x_row + (g0 * _G + HALF + k_lo)[None, :], mask=x_mask,
+            x_lo = tl.load(x_row + (k_lo + g0 * _G)[None, :], mask=x_mask, other=0.0)
+            x_hi = tl.load(x_row + (k_lo + g0 * _G + HALF)[None, :], mask=x_mask,
                            other=0.0)
             w_lo = _dequant(b & 0xF, s, mn, HAS_MIN, 8, dtype)
             w_hi = _dequant(b >> 4, s, mn, HAS_MIN, 8, dtype)
@@ -129,12 +131,12 @@ def _quant_matmul_kernel(
         for g0 in range(0, n_groups, GROUPS_PER_STEP):
             k_mask = (g0 + g) < n_groups
             w_mask = k_mask[:, None] & col_mask[None, :]
-            q = tl.load(q_col + (g0 * _G + kk)[:, None], mask=w_mask, other=0)
+            q = tl.load(q_col + (kk + g0 * _G)[:, None], mask=w_mask, other=0)
             s = tl.load(s_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
             mn = s
             if HAS_MIN:
                 mn = tl.load(mn_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
-            x = tl.load(x_row + (g0 * _G + kk)[None, :],
+            x = tl.load(x_row + (kk + g0 * _G)[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = _mma(x, _dequant(q, s, mn, HAS_MIN, 0, dtype), acc, DOT_PRECISION,
                        DOT_UPCAST)
