@@ -77,8 +77,11 @@ def test_quant_matmul_equals_dequantize_then_matmul(fmt, dtype):
         exact = x.double() @ w.t()
         bound = _bound(x, w, exact, dtype)
         assert bool(((got.double() - exact).abs() <= bound).all()), (fmt.name, m)
-        ref = qw.matmul_tiles(x)  # the reference path on any device
-        assert bool(((got.double() - ref.double()).abs() <= 2 * bound).all()), (fmt.name, m)
+        ref = qw.matmul_tiles(x)  # the reference path on any device (on CUDA, cuBLAS may
+        # also reduce 16-bit products in 16 bits: one more output rounding per term)
+        ref_bound = 2 * bound + (ULP[dtype] * (x.abs().double() @ w.abs().t())
+                                 if DEVICE == "cuda" else 0)
+        assert bool(((got.double() - ref.double()).abs() <= ref_bound).all()), (fmt.name, m)
 
 
 def test_quant_matmul_reads_strided_rows_and_checks_shapes():
@@ -94,6 +97,8 @@ def test_quant_matmul_reads_strided_rows_and_checks_shapes():
         triton_quant.quant_matmul(x[:, :64], qw.qweight, qw.scales, None, 4)
 
 
+@pytest.mark.skipif(DEVICE == "cuda" and not triton_quant.fp8_supported(torch.device(DEVICE)),
+                    reason="Triton's e4m3 needs sm_89+")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_matmul_equals_dequantize_then_matmul(dtype):
     """The kernel multiplies by the exact e4m3 values and scales the float32 sum; the
