@@ -44,9 +44,8 @@ def _quantized(fmt, gen) -> QuantizedWeight:
     qw.write(0, 0, *quantize(torch.randn(N, K, generator=gen), fmt))
     if qw.mins is not None:  # non-zero mins, so they are exercised
         qw.mins.copy_(torch.randn(qw.mins.shape, generator=gen) * 0.05)
-    for t in (qw.qweight, qw.scales, qw.mins):
-        if t is not None:
-            t.data = t.to(DEVICE)
+    qw.qweight, qw.scales = qw.qweight.to(DEVICE), qw.scales.to(DEVICE)
+    qw.mins = None if qw.mins is None else qw.mins.to(DEVICE)
     return qw
 
 
