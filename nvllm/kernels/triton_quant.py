@@ -5,10 +5,10 @@
   of a group of 32 holds value j in its low nibble and value j + 16 in its high one), an
   fp16 scale per group of 32 and, in the ``+min`` formats, an fp16 min; value = scale * q
   (int8), scale * (q - 8) (int4), scale * q + min (either, with a min). AWQ / GPTQ
-  checkpoints (4-bit, a scale and zero point per group, packed eight to an int32 in their
-  own orders) are served by the same kernel once the loader repacks them into this layout
-  (value = scale * q + min with min = -scale * zero is exact at group size 32); the kernel
-  does not read their int32 packing itself.
+  checkpoints (4-bit, a scale and zero point per group of 128, packed eight to an int32
+  in their own orders) are served by the same kernel once the loader repacks them into
+  this layout (four groups of 32 sharing a scale; min = -scale * zero in fp16, exact
+  where the zero is a power of two); the kernel does not read their int32 packing.
 - ``fp8_matmul`` (fp8 e4m3 weights, one float32 scale per output channel, as vLLM's
   ``--quantization fp8``): value = scale[n] * float(q). Triton's e4m3 type needs sm_89 or
   newer; the engine launches it on sm_90 (``FP8_MIN_ARCH``), else its callers take the
