@@ -207,10 +207,11 @@ def _record_moe(rec, moe, shape: ModelShape, dtype) -> None:
 def _record_quant(rec, quant, shape: ModelShape, dtype, out: list[Launch]) -> None:
     """The quantized GEMMs (quantization=int8/int4/fp8) with the tiles a CUDA launch picks
     (triton_quant._config reads the device): the MLP's gate/up projection at decode (4
-    rows) and prefill (64 rows). bfloat16: every group format and fp8 (marked sm_89+) at
-    both. The other dtypes share those tiles (float16) or differ only by M (float32), so
-    they take one launch per code path (~2 s of ptxas each): int8 and fp8 at decode,
-    int4+min at prefill. The weights are torch.empty: only shapes and strides are read."""
+    rows) and prefill (64 rows). bfloat16: every group format (and float32 mins, as AWQ /
+    GPTQ load) and fp8 (marked sm_89+) at both. The other dtypes share those tiles
+    (float16) or differ only by M (float32), so they take one launch per code path (~2 s
+    of ptxas each): int8 and fp8 at decode, int4+min at prefill. The weights are
+    torch.empty: only shapes and strides are read."""
     import torch
 
     pick = quant._config
@@ -222,7 +223,7 @@ def _record_quant(rec, quant, shape: ModelShape, dtype, out: list[Launch]) -> No
                   4: torch.empty(n, k // 2, dtype=torch.uint8)}
         fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         every = [(m, f) for m in (4, 64) for f in ("int8", "int8+min", "int4", "int4+min",
-                                                   "fp8")]
+                                                   "int4+min32", "fp8")]
         some = [(4, "int8"), (4, "fp8"), (64, "int4+min")]
         for m, fmt in every if dtype == torch.bfloat16 else some:
             x = torch.zeros(m, k, dtype=dtype)
@@ -232,9 +233,10 @@ def _record_quant(rec, quant, shape: ModelShape, dtype, out: list[Launch]) -> No
                 for launch in out[start:]:
                     launch.min_arch = quant.FP8_MIN_ARCH
             else:
-                bits, has_min = int(fmt[3]), fmt.endswith("+min")
-                rec(f"{fmt} m={m}", quant.quant_matmul, x, packed[bits], scales,
-                    scales.clone() if has_min else None, bits)
+                bits, has_min = int(fmt[3]), "+min" in fmt
+                mins = (scales.float() if fmt.endswith("32") else scales.clone()) \
+                    if has_min else None  # float32 mins: AWQ / GPTQ's
+                rec(f"{fmt} m={m}", quant.quant_matmul, x, packed[bits], scales, mins, bits)
     finally:
         quant._config = pick
 

@@ -7,8 +7,9 @@
   (int8), scale * (q - 8) (int4), scale * q + min (either, with a min). AWQ / GPTQ
   checkpoints (4-bit, a scale and zero point per group of 128, packed eight to an int32
   in their own orders) are served by the same kernel once the loader repacks them into
-  this layout (four groups of 32 sharing a scale; min = -scale * zero in fp16, exact
-  where the zero is a power of two); the kernel does not read their int32 packing.
+  this layout (four groups of 32 sharing a scale; min = -scale * zero, exact as float32:
+  mins are read as fp16 or float32, whichever they are); the kernel does not read their
+  int32 packing.
 - ``fp8_matmul`` (fp8 e4m3 weights, one float32 scale per output channel, as vLLM's
   ``--quantization fp8``): value = scale[n] * float(q). Triton's e4m3 type needs sm_89 or
   newer; the engine launches it on sm_90 (``FP8_MIN_ARCH``), else its callers take the
@@ -82,7 +83,7 @@ def _dequant(q, s, mn, HAS_MIN: tl.constexpr, OFFSET: tl.constexpr, dtype: tl.co
 def _quant_matmul_kernel(
     x_ptr, stride_xm,            # x [M, K], unit stride on K
     q_ptr, stride_qn,            # int8 [N, K] or uint8 [N, K / 2] (GGUF nibble order)
-    s_ptr, mn_ptr, stride_sn,    # scales, mins: fp16 [N, K / 32] (mins read if HAS_MIN)
+    s_ptr, mn_ptr, stride_sn,    # scales fp16, mins fp16 or fp32: [N, K / 32] (HAS_MIN)
     out_ptr, stride_om,          # out [M, N] in x's dtype
     M, N, K,
     BITS: tl.constexpr, HAS_MIN: tl.constexpr,
@@ -206,7 +207,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if out.numel() == 0:
         return out
     qweight, scales = qweight.contiguous(), scales.contiguous()
-    mins = scales if mins is None else mins.contiguous()  # not read without HAS_MIN
+    # Both contiguous [N, K / 32]: one row stride. (Without a min, scales stand in for the
+    # pointer, never read.)
+    mins = scales if mins is None else mins.contiguous()
     block_m, block_n, gps, warps, stages = _config(x.shape[0], x.dtype, x.device)
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
     _quant_matmul_kernel[grid](

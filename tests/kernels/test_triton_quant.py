@@ -83,6 +83,21 @@ def test_quant_matmul_equals_dequantize_then_matmul(fmt, dtype):
         assert bool(((got.double() - ref.double()).abs() <= ref_bound).all()), (fmt.name, m)
 
 
+def test_quant_matmul_reads_float32_mins():
+    """float32 mins (AWQ / GPTQ's -scale * zero, which fp16 would round) are read as such."""
+    gen = torch.Generator().manual_seed(6)
+    qw = _quantized(INT4_MIN, gen)
+    qw.mins = (qw.mins.float() + torch.rand(qw.mins.shape, generator=gen).to(DEVICE)
+               * 1e-4)  # values fp16 cannot hold
+    w = qw.dequantize().double()
+    x = torch.randn(5, K, generator=gen).to(DEVICE)
+    got = triton_quant.quant_matmul(x, qw.qweight, qw.scales, qw.mins, 4)
+    exact = x.double() @ w.t()
+    assert bool(((got.double() - exact).abs() <= _bound(x, w, exact, torch.float32)).all())
+    fp16_mins = triton_quant.quant_matmul(x, qw.qweight, qw.scales, qw.mins.half(), 4)
+    assert not torch.equal(got, fp16_mins)
+
+
 def test_quant_matmul_reads_strided_rows_and_checks_shapes():
     gen = torch.Generator().manual_seed(7)
     qw = _quantized(INT4, gen)
