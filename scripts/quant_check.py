@@ -3,12 +3,12 @@
 device_check.sh.
 
 At Llama-3.1-8B's MLP shapes (gate/up 28672 x 4096, down 4096 x 14336), bfloat16
-activations, for int8, int4, int4+min and (sm_89+) fp8 weights: the max error of the
-kernel against a float32 matmul of the dequantized weights (exit 1 past the tolerance),
-then median times at M = 1, 16, 256 rows next to dense bfloat16 ``torch.mm`` of the same
-(dequantized) weights and the reference path (dequantize into tiles, then torch.mm), with
-the weight bytes per second at one row. Timings are printed, never asserted. Under a
-minute.
+activations, for int8, int4, int4+min (fp16 and float32 mins) and (sm_89+) fp8 weights: the
+max error of the kernel against a float32 matmul of the dequantized weights (exit 1 past
+the tolerance), then median times at M = 1, 16, 256 rows next to dense bfloat16
+``torch.mm`` of the same (dequantized) weights and the reference path (dequantize into
+tiles, then torch.mm), with the weight bytes per second at one row. Timings are printed,
+never asserted. Under a minute.
 
     python scripts/quant_check.py [--rows 1 16 256]
 """
@@ -40,11 +40,13 @@ def make(fmt_name: str, n: int, k: int):
         qw.write(0, 0, *quantize_fp8(w))
         qw.qweight, qw.scales = qw.qweight.cuda(), qw.scales.cuda()
     else:
-        fmt = {"int8": INT8, "int4": INT4, "int4+min": INT4_MIN}[fmt_name]
+        fmt = {"int8": INT8, "int4": INT4, "int4+min": INT4_MIN,
+               "int4+min32": INT4_MIN}[fmt_name]
         qw = QuantizedWeight(fmt, n, k)
         qw.write(0, 0, *quantize(w, fmt))
-        if qw.mins is not None:
-            qw.mins.copy_(torch.randn(qw.mins.shape, generator=g).half() * 1e-3)
+        if qw.mins is not None:  # float32 mins for int4+min32 (AWQ / GPTQ's)
+            mins = torch.randn(qw.mins.shape, generator=g) * 1e-3
+            qw.mins = mins if fmt_name.endswith("32") else mins.half()
         qw.qweight, qw.scales = qw.qweight.cuda(), qw.scales.cuda()
         qw.mins = None if qw.mins is None else qw.mins.cuda()
     return qw, qw.dequantize(dtype=torch.bfloat16)
@@ -88,7 +90,7 @@ def main() -> int:
         print("triton not importable: QuantizedWeight.matmul would take the reference path",
               file=sys.stderr)
         return 1
-    formats = ["int8", "int4", "int4+min"]
+    formats = ["int8", "int4", "int4+min", "int4+min32"]
     if fp8_supported(torch.device("cuda")):
         formats.append("fp8")
     ok = True
