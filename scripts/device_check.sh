@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a session that is lent a GPU (see docs/testing.md, "GPU checks"): kernel tests on
-# CUDA, the engine's CUDA exactness tests (CUDA graphs included), the MoE check, the kernel
-# benchmark and the engine throughput benchmark against HF; results
+# CUDA, the engine's CUDA exactness tests (CUDA graphs included), the MoE and quantized-GEMM
+# checks, the kernel benchmark and the engine throughput benchmark against HF; results
 # go to ${OUT:-/tmp/nvllm-device} (device_check.log, bench_kernels.json, bench_gpu.json).
 # Budget: < 8 minutes.
 #
@@ -41,6 +41,10 @@ run kernel-tests 150 "${PYTEST[@]}" tests/kernels
 # Triton fused MoE at a per-rank shape (T=256 H=1024 I=512 E=8 K=2): max error vs a float32
 # torch reference (fails past tolerance) and time vs a torch grouped reference; seconds.
 run moe-check 90 python3 scripts/moe_check.py
+# Triton quantized GEMMs (int8, int4, int4+min, fp8 on sm_89+) at Llama-3.1-8B's MLP
+# shapes, bf16: max error vs a float32 matmul of the dequantized weights (fails past
+# tolerance); times at 1/16/256 rows vs dense bf16 torch.mm and the reference path.
+run quant-check 150 python3 scripts/quant_check.py
 run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
 run bench-kernels 120 python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json"
 # Engine throughput: Qwen3-0.6B-shaped bf16, nano-vllm's workload, vs HF on the same GPU.

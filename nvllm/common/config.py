@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES = (
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")  # nvllm/worker/quantize.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # nvllm/worker/quantize.py
 # Default KV-cache budget per worker on CPU (GiB), like vLLM's VLLM_CPU_KVCACHE_SPACE.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
@@ -176,7 +176,8 @@ class EngineConfig:
                 "a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks (other formats, and "
                 "safetensors, load as none); none dequantizes every weight to the run "
                 "dtype; int8/int4 quantize the linear layers at load (round-to-nearest, "
-                "symmetric; embeddings and the LM head stay in the run dtype).",
+                "symmetric); fp8 quantizes them to e4m3 with one scale per output "
+                "channel (as vLLM's fp8); embeddings and the LM head stay in the run dtype.",
         choices=QUANTIZATIONS)
     cpu_kv_mirror: bool = _setting(
         True, "CPU, torch/cpu backends: keep each running sequence's K/V also contiguous (within "

@@ -3,8 +3,9 @@ not there (``python -m nvllm.kernels.triton_aot --page-size 16``; run by
 tests/kernels/test_triton_compile.py, which passes the engine's default block size).
 
 The launches are not described by hand: ``record_launches`` calls the real launch wrappers of
-``triton_attention`` and ``triton_layer_ops`` (``store_kvcache``, ``decode_attention``, ...) on
-small CPU tensors of a model's per-rank shapes, with each ``@triton.jit`` kernel swapped for a
+``triton_attention``, ``triton_layer_ops``, ``triton_moe`` and ``triton_quant``
+(``store_kvcache``, ``decode_attention``, ``quant_matmul``, ...) on small CPU tensors of a
+model's per-rank shapes, with each ``@triton.jit`` kernel swapped for a
 recorder that keeps the arguments, constexprs and launch options instead of launching. Each
 recorded launch is then specialized the way the Triton runtime does it (its own binder and
 ``_pack_args``: the same signature, constexprs, and divisibility-by-16 attributes) and compiled
@@ -78,6 +79,7 @@ class Launch:
     args: tuple
     kwargs: dict
     label: str = ""
+    min_arch: int = 0  # compiled only for targets at or above this (fp8: sm_89)
 
     @property
     def name(self) -> str:
@@ -95,9 +97,9 @@ class _Recorder:
 
 
 def _kernel_modules():
-    from nvllm.kernels import triton_attention, triton_layer_ops, triton_moe
+    from nvllm.kernels import triton_attention, triton_layer_ops, triton_moe, triton_quant
 
-    return triton_attention, triton_layer_ops, triton_moe
+    return triton_attention, triton_layer_ops, triton_moe, triton_quant
 
 
 @contextlib.contextmanager
@@ -128,7 +130,7 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
 
     from nvllm.kernels.metadata import build_metadata
 
-    attn, layer, moe = _kernel_modules()
+    attn, layer, moe, quant = _kernel_modules()
     dtype = getattr(torch, dtype_name)
     t, h, kh, d = _TOKENS, shape.heads, shape.kv_heads, shape.head_dim
     out: list[Launch] = []
@@ -172,6 +174,7 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
                                  page_size)
         rec("extend", attn.extend_attention, q.contiguous(), kc, vc, meta, d ** -0.5)
         _record_moe(rec, moe, shape, dtype)
+        _record_quant(rec, quant, shape, dtype, out)
 
     # DOT_UPCAST widens bf16 dots only under the interpreter (CPU tensors); a CUDA launch
     # passes what _dot_upcast says for a CUDA device.
@@ -199,6 +202,43 @@ def _record_moe(rec, moe, shape: ModelShape, dtype) -> None:
                 w2, ids, torch.full((t, k), 1.0 / k), 0)
     finally:
         moe._config = pick
+
+
+def _record_quant(rec, quant, shape: ModelShape, dtype, out: list[Launch]) -> None:
+    """The quantized GEMMs (quantization=int8/int4/fp8) with the tiles a CUDA launch picks
+    (triton_quant._config reads the device): the MLP's gate/up projection at decode (4
+    rows) and prefill (64 rows). bfloat16: every group format (and float32 mins, as AWQ /
+    GPTQ load) and fp8 (marked sm_89+) at both. The other dtypes share those tiles
+    (float16) or differ only by M (float32), so they take one launch per code path (~2 s
+    of ptxas each): int8 and fp8 at decode, int4+min at prefill. The weights are
+    torch.empty: only shapes and strides are read."""
+    import torch
+
+    pick = quant._config
+    quant._config = lambda m, dt, _device: pick(m, dt, torch.device("cuda"))
+    try:
+        n, k = 2 * shape.intermediate, shape.hidden
+        scales = torch.empty(n, k // quant.GROUP, dtype=torch.float16)
+        packed = {8: torch.empty(n, k, dtype=torch.int8),
+                  4: torch.empty(n, k // 2, dtype=torch.uint8)}
+        fp8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        every = [(m, f) for m in (4, 64) for f in ("int8", "int8+min", "int4", "int4+min",
+                                                   "int4+min32", "fp8")]
+        some = [(4, "int8"), (4, "fp8"), (64, "int4+min")]
+        for m, fmt in every if dtype == torch.bfloat16 else some:
+            x = torch.zeros(m, k, dtype=dtype)
+            start = len(out)
+            if fmt == "fp8":
+                rec(f"fp8 m={m}", quant.fp8_matmul, x, fp8, torch.empty(n))
+                for launch in out[start:]:
+                    launch.min_arch = quant.FP8_MIN_ARCH
+            else:
+                bits, has_min = int(fmt[3]), "+min" in fmt
+                mins = (scales.float() if fmt.endswith("32") else scales.clone()) \
+                    if has_min else None  # float32 mins: AWQ / GPTQ's
+                rec(f"{fmt} m={m}", quant.quant_matmul, x, packed[bits], scales, mins, bits)
+    finally:
+        quant._config = pick
 
 
 def specialize(launch: Launch, target):
@@ -247,6 +287,8 @@ def run_all(page_size: int, targets=tuple(TARGETS), dtypes=DTYPES,
         for dtype_name in dtypes:
             for shape in shapes:
                 for launch in record_launches(shape, dtype_name, page_size):
+                    if launch.min_arch > arch:
+                        continue
                     src, options = specialize(launch, target)
                     key = (tname, src.hash(), str(sorted(options.__dict__.items())))
                     row = {"kernel": launch.name, "config": _config_str(launch),

@@ -10,7 +10,8 @@ them quantized), else that layer is dense (F16/F32, a float safetensors checkpoi
 ``int8`` / ``int4`` quantize every linear layer (not the embedding or the LM head) at
 load, round-to-nearest per group of 32, symmetric; a packed tensor that fits the width
 (GGUF blocks with a min where the file has one, AWQ / GPTQ in int8 or int4+min32) is
-repacked instead.
+repacked instead. ``fp8`` quantizes them to e4m3 with a float32 scale per
+output channel (nvllm/worker/layers/fp8.py; no groups, so any shard of columns).
 
 One rule for shards: a quantized layer is cut along whole groups of 32 input columns. A
 row-parallel layer whose rank-local input columns do not start and end on a group (an
@@ -29,6 +30,7 @@ from torch import nn
 
 from nvllm.common.config import QUANTIZATIONS as MODES
 from nvllm.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nvllm.worker.layers.fp8 import FP8, Fp8Weight
 from nvllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nvllm.worker.layers.quant import (
     GROUP,
@@ -73,7 +75,10 @@ def _auto_format(qtypes: set[str]) -> QuantFormat | None:
 
 def _requested(mode: str, qtypes: set[str]) -> QuantFormat:
     """int8/int4 at load: that width, with a min where the file's blocks carry one (so
-    they repack as they are); AWQ / GPTQ in int4+min32 or int8 (both exact)."""
+    they repack as they are); AWQ / GPTQ in int4+min32 or int8 (both exact); fp8: e4m3
+    with per-channel scales (nvllm/worker/layers/fp8.py)."""
+    if mode == "fp8":
+        return FP8
     if qtypes and qtypes <= PACKED_CHECKPOINTS:
         return INT8 if mode == "int8" else INT4_MIN32
     has_min = bool(qtypes & _MIN_TYPES)
@@ -137,15 +142,19 @@ def plan(model: nn.Module, source, mode: str) -> dict[str, QuantFormat]:
 
 def quantize_module(m: nn.Module, fmt: QuantFormat) -> bool:
     """Replace m's dense weight by a QuantizedWeight of ``fmt`` (to be loaded); False
-    (m unchanged, logged) where its local input columns are not whole groups."""
+    (m unchanged, logged) where its local input columns are not whole groups (fp8 has
+    no groups: any columns)."""
     w = m.weight
     n, k = w.shape
     start = getattr(m, "input_start", 0)
-    if k % GROUP or start % GROUP:
+    if fmt == FP8:
+        qw = Fp8Weight(n, k, device=w.device)
+    elif k % GROUP or start % GROUP:
         logger.info("%s stays dense: its input columns [%d, %d) are not whole groups of %d",
                     type(m).__name__, start, start + k, GROUP)
         return False
-    qw = QuantizedWeight(fmt, n, k, device=w.device)
+    else:
+        qw = QuantizedWeight(fmt, n, k, device=w.device)
     param = nn.Parameter(qw.qweight, requires_grad=False)
     param.weight_loader = w.weight_loader
     param.quant = qw
@@ -163,13 +172,13 @@ def quantize_module(m: nn.Module, fmt: QuantFormat) -> bool:
 def quantize_model(model: nn.Module, source, mode: str,
                    device: torch.device | str = "cpu") -> dict[str, str]:
     """Make the layers ``mode`` quantizes quantized (before loading); returns module
-    name -> format name of those that are. ``auto`` off the CPU loads dense: the only
-    kernels are CPU ones, and the reference path (dequantize every weight at every
-    matmul) would make a GPU slower than dense weights; an explicit int8/int4 is honoured
-    everywhere (correct, and the user asked)."""
+    name -> format name of those that are. ``auto`` off the CPU loads dense: the Triton
+    kernels (nvllm/kernels/triton_quant.py) are checked against the reference and
+    compiled ahead of time, but not yet measured against dense weights on a GPU; an
+    explicit int8/int4/fp8 is honoured everywhere (on CUDA through those kernels)."""
     if mode == "auto" and torch.device(device).type != "cpu":
-        logger.info("quantization=auto on %s: weights load dense (quantized kernels are "
-                    "CPU-only so far)", device)
+        logger.info("quantization=auto on %s: weights load dense (pass int8/int4/fp8 for "
+                    "the Triton quantized kernels)", device)
         return {}
     formats = plan(model, source, mode)
     modules = _quantizable(model)
@@ -209,6 +218,9 @@ def load_quantized(qw: QuantizedWeight, src, dim: int, start: int, end: int,
     AWQ / GPTQ words) repacked where qw's format holds it, else the shard's float values
     quantized; ROW_CHUNK rows at a time, so neither path holds more than that many rows
     in float."""
+    if isinstance(qw, Fp8Weight):  # per-channel scales: whole rows, no groups
+        qw.load(src, dim, start, end, dst_off, ROW_CHUNK)
+        return
     shape = list(src.get_shape() if hasattr(src, "get_shape") else src.shape)
     if len(shape) != 2:
         raise ValueError(f"a quantized layer loads 2-D tensors, not {shape}")

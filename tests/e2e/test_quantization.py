@@ -1,4 +1,4 @@
-"""quantization=int8 / int4 on a float checkpoint: greedy tokens equal, token for token,
+"""quantization=int8 / int4 / fp8 on a float checkpoint: greedy tokens equal, token for token,
 those of the same model whose linear weights were replaced by their dequantized values
 (a checkpoint written here), at tp 1 and 2. Activations stay float32 in both (the
 kernels dequantize weights only), so the two runs differ only in float32 summation
@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from nvllm import LLM, SamplingParams
 from nvllm.worker.gguf_weights import hf_name
+from nvllm.worker.layers.fp8 import Fp8Weight, quantize_fp8
 from nvllm.worker.layers.quant import QuantizedWeight, quantize
 from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
 from tests.support.int4_checkpoints import write_int4_checkpoint
@@ -38,13 +39,17 @@ def dequantized_checkpoint(model_dir: str, out: Path, mode: str) -> str:
     from nvllm.worker.layers.quant import QuantFormat
 
     shutil.copytree(model_dir, out)
-    fmt = QuantFormat(*FORMATS[mode])
     for f in out.glob("*.safetensors"):
         tensors = load_file(f)
         for name, w in tensors.items():
             if name.endswith(".weight") and any(f".{n}." in name for n in LINEARS):
-                qw = QuantizedWeight(fmt, *w.shape)
-                qw.write(0, 0, *quantize(w, fmt))
+                if mode == "fp8":
+                    qw = Fp8Weight(*w.shape)
+                    qw.write(0, 0, *quantize_fp8(w))
+                else:
+                    fmt = QuantFormat(*FORMATS[mode])
+                    qw = QuantizedWeight(fmt, *w.shape)
+                    qw.write(0, 0, *quantize(w, fmt))
                 tensors[name] = qw.dequantize(dtype=w.dtype)
         save_file(tensors, f, metadata={"format": "pt"})
     return str(out)
@@ -62,7 +67,9 @@ def greedy(model: str, prompts: list[list[int]], tp: int, quantization: str) -> 
 
 # (An engine start costs ~10 s here: each mode runs at one tp; the layer contracts of
 # tests/worker/test_quant.py cover both formats at tp 1 and 2.)
-@pytest.mark.parametrize("mode,tp", [("int8", 2), ("int4", 1)])
+# fp8 at tp 2: its row-parallel shards take their full rows' scales, so they hold the
+# values the whole tensors quantize to.
+@pytest.mark.parametrize("mode,tp", [("int8", 2), ("int4", 1), ("fp8", 2)])
 def test_quantized_at_load_equals_dequantized_checkpoint(tiny, tmp_path, mode, tp):
     model = tiny("qwen3")
     tok = hf_ref.hf_tokenizer(model)

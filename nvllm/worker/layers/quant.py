@@ -16,11 +16,13 @@ dequantizes to the float32 that ``gguf.quants.dequantize`` gives. AWQ / GPTQ's
 scale * (q - z) is ``int4+min32`` exactly (nvllm/worker/awq_gptq.py); GGUF's K-quants
 repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
-``QuantizedWeight.matmul`` is x W^T: nvllm's native op (``csrc/cpu_quant_linear.cpp``,
-dequantize-in-register, float32 accumulation) for up to ``NATIVE_MAX_ROWS`` CPU rows,
-else a tile of W's rows dequantized into x's dtype (one native pass, or the torch
-reference ``dequantize`` without the native ops) and ``torch.mm``. ``quantize`` is
-round-to-nearest per group, symmetric (no min), for float checkpoints quantized at load.
+``QuantizedWeight.matmul`` is x W^T: on CUDA the Triton W4A16 / W8A16 GEMM
+(``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU nvllm's
+native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32 accumulation)
+for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
+(one native pass, or the torch reference ``dequantize`` without the native ops) and
+``torch.mm``. ``quantize`` is round-to-nearest per group, symmetric (no min), for float
+checkpoints quantized at load.
 
 Measured (``scripts/bench_quant_linear.py --threads 1``, SmolLM2-135M's shapes, this
 2-core AMD EPYC with AVX-512, microseconds, minimum of 5): at one row the native op reads
@@ -140,7 +142,12 @@ class QuantizedWeight:
         """x W^T (+ bias) for x [..., k], in x's dtype."""
         x2 = x.reshape(-1, self.k)
         native = x2.device.type == "cpu" and x2.dtype in NATIVE_MAX_ROWS and _native()
-        if native and x2.shape[0] <= NATIVE_MAX_ROWS[x2.dtype]:
+        if triton_usable(x2):
+            from nvllm.kernels import triton_quant
+
+            out = triton_quant.quant_matmul(x2, self.qweight, self.scales, self.mins,
+                                            self.fmt.bits)
+        elif native and x2.shape[0] <= NATIVE_MAX_ROWS[x2.dtype]:
             from nvllm.kernels import cpu_ops
 
             out = cpu_ops.quant_linear(x2, self.qweight, self.scales, self.mins,
@@ -170,6 +177,24 @@ class QuantizedWeight:
 
 
 _NATIVE: list[bool] = []
+_TRITON: list[bool] = []
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Whether x (a CUDA tensor of a dtype the Triton kernels take) goes through
+    ``nvllm/kernels/triton_quant.py``: Triton installed, asked once; elsewhere the
+    reference path."""
+    if x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16,
+                                                  torch.float16):
+        return False
+    if not _TRITON:
+        try:
+            import nvllm.kernels.triton_quant  # noqa: F401
+        except ImportError:
+            _TRITON.append(False)
+        else:
+            _TRITON.append(True)
+    return _TRITON[0]
 
 
 def _native() -> bool:
