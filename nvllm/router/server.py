@@ -125,6 +125,7 @@ class Router:
         self.endpoint = f"tcp://{host}:{port}"
         self.draining = False
         self.decisions: Counter[str] = Counter()
+        self.routed_to: Counter[int] = Counter()  # replica -> requests routed there
         self.failed_by_replica_loss = 0
         self._flights: dict[int, _Flight] = {}  # the router's request id -> whose
         self._by_client: dict[bytes, dict[Any, int]] = defaultdict(dict)
@@ -296,6 +297,7 @@ class Router:
             return self._error(client, rid, "engine_unavailable",
                                f"replica {replica} cannot take requests now")
         self.decisions[decision] += 1
+        self.routed_to[replica] += 1
         params = msg.get("params")
         n = params.get("n", 1) if isinstance(params, dict) else 1
         self._flights[ours] = _Flight(client, rid, replica,

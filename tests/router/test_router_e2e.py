@@ -1,20 +1,25 @@
-"""The router in front of two tiny replicas (tp 1, CPU, each an EngineServer over an LLM
-in this process): a multi-tenant workload's cached-prompt fraction with cache_aware
-against round_robin, greedy output equal to one engine's, identical prompts spread by
-load, sticky keys, control messages, and a replica whose leader goes away."""
+"""nvllm-launch --data-parallel-size 2 (two tiny replicas at tp 1 on the CPU behind its
+router), and in-process routers with other policies over the same replicas: a
+multi-tenant workload's cached-prompt fraction with cache_aware against round_robin,
+greedy output equal to one engine's, identical prompts spread by load, sticky keys,
+control messages, a replica whose leader goes away, and a clean SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-from served import serve, teardown
+from subproc import read_until, stop_process
 
-from nvllm import LLM, AsyncClient, Client
+from nvllm import AsyncClient, Client
 from nvllm.common.errors import EngineDeadError
 from nvllm.router.policy import CacheAwareConfig
 from nvllm.router.server import Router, RouterConfig
@@ -29,18 +34,24 @@ KV_BLOCKS = 90
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny):
-    # One after the other, from this thread: a worker dies with the thread that started
-    # it (PR_SET_PDEATHSIG), so a pool thread cannot start them side by side.
-    servers = []
+def launched(tiny):
+    """nvllm-launch --data-parallel-size 2: its router's endpoint, its replicas' own
+    endpoints (for in-process routers with other policies) and pids."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nvllm.launch.cli", "--model", tiny("qwen3"),
+         "--data-parallel-size", "2", "--tp", "1", "--device", "cpu", "--dtype", "float32",
+         "--num-kv-blocks", str(KV_BLOCKS), "--client-timeout-s", "5",
+         "--router-policy", "cache_aware"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        for _ in range(2):
-            servers.append(serve(LLM(tiny("qwen3"), device="cpu", dtype="float32",
-                                     num_kv_blocks=KV_BLOCKS, client_timeout_s=5.0)))
-        yield servers
+        text = read_until(proc, r"serving on tcp://", 180)
+        m = re.search(r"2 replicas \(pids \[(\d+), (\d+)\]\) at \['(\S+)', '(\S+)'\]", text)
+        assert m is not None, text
+        yield SimpleNamespace(proc=proc, pids=[int(m[1]), int(m[2])],
+                              replicas=[m[3], m[4]],
+                              endpoint=re.search(r"serving on (tcp://\S+);", text)[1])
     finally:
-        for s in servers:
-            teardown(s)
+        stop_process(proc, signal.SIGKILL)
 
 
 def start_router(endpoints: list[str], policy: str, **kw) -> SimpleNamespace:
@@ -62,11 +73,12 @@ def stop_router(r: SimpleNamespace) -> None:
 
 
 @pytest.fixture
-def routed(replicas):
+def routed(launched):
+    """An in-process router with another policy, over the launched replicas."""
     started: list[SimpleNamespace] = []
 
     def start(policy: str, **kw) -> SimpleNamespace:
-        started.append(start_router([s.endpoint for s in replicas], policy, **kw))
+        started.append(start_router(launched.replicas, policy, **kw))
         return started[-1]
 
     yield start
@@ -105,42 +117,38 @@ def cached_fraction(outs) -> float:
     return sum(o.num_cached_tokens for o in outs) / ideal
 
 
-def test_cache_aware_keeps_tenants_cached_and_output_matches_one_engine(replicas, routed):
+def test_cache_aware_keeps_tenants_cached_and_output_matches_one_engine(launched, routed):
     rr_prompts, ca_prompts = workload(1), workload(2)  # fresh prefixes for each policy
     rr = asyncio.run(run_all(routed("round_robin").endpoint, rr_prompts, TENANTS))
-    ca = asyncio.run(run_all(routed("cache_aware").endpoint, ca_prompts, TENANTS))
+    ca = asyncio.run(run_all(launched.endpoint, ca_prompts, TENANTS))  # the launch's router
     rr_frac, ca_frac = cached_fraction(rr), cached_fraction(ca)
     print(f"cached fraction: cache_aware {ca_frac:.2f}, round_robin {rr_frac:.2f}")
     assert ca_frac >= 0.8 and ca_frac >= 1.5 * rr_frac
-    ref = asyncio.run(run_all(replicas[0].endpoint, rr_prompts + ca_prompts, 8))
+    ref = asyncio.run(run_all(launched.replicas[0], rr_prompts + ca_prompts, 8))
     assert [o.outputs[0].token_ids for o in rr + ca] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_identical_prompts_spread_over_both_replicas(replicas, routed):
+def test_identical_prompts_spread_over_both_replicas(routed):
     r = routed("cache_aware", cache_aware=CacheAwareConfig(balance_abs_threshold=4))
     prompt = workload(3)[0]
     outs = asyncio.run(run_all(r.endpoint, [prompt] * 32, 32))
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
-    routed_n = r.router.decisions
-    assert routed_n["load_override"] > 0
-    text = Client(r.endpoint, timeout_s=30).metrics()
-    per = [float(line.split()[-1]) for line in text.splitlines()
-           if line.startswith('nvllm:request_success_total{replica=') and 'reason="length"' in line]
-    assert len(per) == 2 and max(per) <= 0.75 * sum(per), text
+    assert r.router.decisions["load_override"] > 0
+    per = [r.router.routed_to[i] for i in range(2)]
+    assert sum(per) == 32 and max(per) <= 0.75 * 32, per
 
 
-def test_a_routing_key_sticks_and_control_messages_answer_for_all(replicas, routed):
-    r = routed("round_robin")
-    with Client(r.endpoint, timeout_s=60) as c:
+def test_a_routing_key_sticks_and_control_messages_answer_for_all(launched):
+    with Client(launched.endpoint, timeout_s=60) as c:
+        before = c.metrics()
         for _ in range(4):
             c.generate([5, 6, 7], GREEDY, routing_key="tenant-a")
-        assert r.router.decisions["sticky"] == 3
         info = c.info()
         assert info["ready"] and info["kv_capacity_tokens"] == 2 * KV_BLOCKS * 16
         assert c.health() == {"op": "health", "ready": True}
         text = c.metrics()
-    assert 'nvllm_router:requests_routed_total{policy="round_robin",decision="sticky"} 3.0' \
-        in text
+    sticky = 'nvllm_router:requests_routed_total{policy="cache_aware",decision="sticky"}'
+    assert metric(text, sticky) - metric(before, sticky) == 3
     assert text.count("# TYPE nvllm:prompt_tokens_total counter") == 1
     assert 'replica="0"' in text and 'replica="1"' in text
 
@@ -188,11 +196,11 @@ class DyingLeader:
         self.thread.join(10)
 
 
-def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(replicas):
+def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
     """Replica 0's leader goes away mid-request: that request ends with exactly one error,
     the router stops routing there, and replica 1 (real) serves the next requests."""
     dying = DyingLeader()
-    r = start_router([dying.endpoint, replicas[0].endpoint], "round_robin")
+    r = start_router([dying.endpoint, launched.replicas[0]], "round_robin")
     try:
         with Client(r.endpoint, timeout_s=60) as c:
             stream = c.stream([9] * 20, GREEDY)
@@ -204,6 +212,23 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(replicas):
             assert c.health()["reason"].startswith("1 of 2 replicas up (replica 0: ")
             outs = [c.generate([1, 2, 3], GREEDY) for _ in range(3)]
             assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-            assert r.router.decisions["round_robin"] == 4 and r.router.links[1].load == 0
+            assert r.router.decisions["round_robin"] == 4
+            deadline = time.monotonic() + 5  # the router drops a request after relaying
+            while r.router.links[1].load:  # its last message, in its own thread
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
     finally:
         stop_router(r)
+
+
+def test_sigint_stops_the_router_every_replica_and_their_workers(launched, procs):
+    workers = [w for pid in launched.pids for w in procs.worker_pids_of(pid)]
+    assert len(workers) == 2
+    launched.proc.send_signal(signal.SIGINT)
+    assert launched.proc.wait(60) == 0
+    assert not any(procs.pid_alive(p) for p in launched.pids + workers)
+
+
+def metric(text: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(name))
