@@ -26,6 +26,7 @@ from typing import Any
 import click
 
 from nvllm.common.proc import stop_on_signals
+from nvllm.common.shm_segments import sweep_orphan_segments
 from nvllm.common.zmq_utils import private_ipc_dir
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,26 @@ def stop_replicas(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _watch_replicas(procs: list[subprocess.Popen], stop: threading.Event) -> None:
-    """Log each replica that exits while serving (the router sees its connection drop)."""
+def child_pids(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (from /proc; empty where there is none)."""
+    out = set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.add(int(entry))
+    return out
+
+
+def _watch_replicas(procs: list[subprocess.Popen], owners: list[set[int]],
+                    stop: threading.Event) -> None:
+    """Log each replica that exits while serving (the router sees its connection drop),
+    and remove the shared-memory segments it or its workers (`owners[i]`: their pids)
+    left: a SIGKILLed leader unlinks nothing, and its workers die with it."""
     reported: set[int] = set()
     while not stop.wait(0.5):
         for i, p in enumerate(procs):
@@ -105,6 +124,11 @@ def _watch_replicas(procs: list[subprocess.Popen], stop: threading.Event) -> Non
                 reported.add(i)
                 logger.error("replica %d (pid %d) exited with code %s; the router no longer "
                              "routes to it (it is not restarted)", i, p.pid, p.returncode)
+                stop.wait(1.0)  # its workers notice their parent is gone
+                swept = sweep_orphan_segments(owners[i])
+                if swept:
+                    logger.info("removed %d shared-memory segment(s) of exited processes: "
+                                "%s", len(swept), swept)
 
 
 def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[str, Any], *,
@@ -122,11 +146,15 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
     folder = private_ipc_dir("nvllm-dp-")
     replicas: list[tuple[subprocess.Popen, str]] = []
     router = gateway_proc = None
+    owners: list[set[int]] = []
     try:
         for i in range(dp.size):
             replicas.append(start_replica(i, model, engine_kwargs, folder, served_model_name,
                                           max_frame_bytes, shutdown_timeout, log_level))
         endpoints = wait_for_endpoints(replicas, defaults.worker_start_timeout_s + 60)
+        # Each replica's processes (its leader, its workers: started by now), whose
+        # segments the launcher removes if they die without doing so.
+        owners = [{p.pid} | child_pids(p.pid) for p, _ in replicas]
         config = RouterConfig(
             policy=dp.router_policy,
             cache_aware=CacheAwareConfig(dp.cache_threshold, dp.balance_abs_threshold,
@@ -150,13 +178,14 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
             click.echo(f"OpenAI-compatible HTTP gateway on http://{gateway['host']}:"
                        f"{gateway['port']}/v1 (pid {gateway_proc.pid})")
         watcher = threading.Thread(target=_watch_replicas,
-                                   args=([p for p, _ in replicas], stop), daemon=True)
+                                   args=([p for p, _ in replicas], owners, stop), daemon=True)
         watcher.start()
         router.serve(stop, shutdown_timeout)
     finally:
         if gateway_proc is not None:
             stop_replicas([gateway_proc])
         stop_replicas([p for p, _ in replicas])
+        sweep_orphan_segments(set().union(*owners))
         if router is not None:
             router.close()
         shutil.rmtree(folder, ignore_errors=True)

@@ -418,13 +418,13 @@ class Router:
         lost = [rid for rid, f in self._flights.items() if f.replica == link.index]
         logger.error("replica %d (%s) is gone: %s; failing its %d request(s) in flight",
                      link.index, link.endpoint, link.reason, len(lost))
+        self.failed_by_replica_loss += len(lost)
         for rid in lost:
             f = self._flights[rid]
             self._send(f.client, cp.Error(f.client_rid, "engine_unavailable", (
                 f"replica {link.index} went away while this request ran; it was not "
                 f"replayed on another replica (docs/data-parallel.md)")))
             self._drop(rid)
-        self.failed_by_replica_loss += len(lost)
         self.policy.replica_lost(link.index)
         for ask in self._metrics_asks:
             ask.waiting.discard(link.index)

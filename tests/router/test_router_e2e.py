@@ -7,6 +7,7 @@ control messages, a replica whose leader goes away, and a clean SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
@@ -44,7 +45,7 @@ def launched(tiny):
          "--router-policy", "cache_aware"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        text = read_until(proc, r"serving on tcp://", 180)
+        text = read_until(proc, r"serving on tcp://", 300)
         m = re.search(r"2 replicas \(pids \[(\d+), (\d+)\]\) at \['(\S+)', '(\S+)'\]", text)
         assert m is not None, text
         yield SimpleNamespace(proc=proc, pids=[int(m[1]), int(m[2])],
@@ -221,12 +222,57 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
         stop_router(r)
 
 
-def test_sigint_stops_the_router_every_replica_and_their_workers(launched, procs):
+def test_a_sigkilled_replica_ends_its_requests_once_and_everything_stops(launched, procs):
+    """SIGKILL replica 1's leader with requests in flight on both: each ends exactly once
+    (finished on replica 0, or one error), replica 0 goes on serving, the launcher removes
+    what the dead replica left in /dev/shm, and SIGINT then stops every process."""
     workers = [w for pid in launched.pids for w in procs.worker_pids_of(pid)]
     assert len(workers) == 2
+    long = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+
+    async def load() -> list:
+        client = AsyncClient(launched.endpoint, timeout_s=120)
+        started = asyncio.Event()
+
+        async def one(k: int):
+            ends = []
+            try:
+                async for d in client.stream([50 + k] * 8, long):
+                    started.set()
+                    if d.finish_reason is not None:
+                        ends.append(d.finish_reason)
+            except EngineDeadError as e:
+                ends.append(str(e))
+            return ends
+
+        tasks = [asyncio.create_task(one(k)) for k in range(6)]
+        await started.wait()
+        os.kill(launched.pids[1], signal.SIGKILL)
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            client.close()
+
+    ends = asyncio.run(load())
+    assert all(len(e) == 1 for e in ends), ends
+    lost = [e[0] for e in ends if e[0] != "length"]
+    assert lost and all("replica 1 went away" in e for e in lost), ends
+    with Client(launched.endpoint, timeout_s=60) as c:
+        assert c.health()["reason"].startswith("1 of 2 replicas up (replica 1: ")
+        assert len(c.generate([7, 8, 9], GREEDY).outputs[0].token_ids) == 4
+    deadline = time.monotonic() + 20
+    while any(procs.pid_alive(w) for w in workers[1:]) or owned_segments(
+            [launched.pids[1], workers[1]]):
+        assert time.monotonic() < deadline, "the dead replica's processes or segments stayed"
+        time.sleep(0.2)
     launched.proc.send_signal(signal.SIGINT)
     assert launched.proc.wait(60) == 0
     assert not any(procs.pid_alive(p) for p in launched.pids + workers)
+
+
+def owned_segments(pids: list[int]) -> list[str]:
+    return [n for n in os.listdir("/dev/shm")
+            if n.startswith("nvllm-") and n.split("-")[2] in {str(p) for p in pids}]
 
 
 def metric(text: str, name: str) -> float:
