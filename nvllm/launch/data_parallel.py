@@ -165,12 +165,12 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
             max_client_frames_per_step=defaults.max_client_frames_per_step)
         router = Router(endpoints, config, host=host, port=port, curve_key_dir=curve_key_dir,
                         max_frame_bytes=max_frame_bytes)
-        click.echo(f"data parallel: {dp.size} replicas (pids "
-                   f"{[p.pid for p, _ in replicas]}) at {endpoints}, router policy "
-                   f"{dp.router_policy}")
         stop = threading.Event()
         stop_on_signals(stop)
         click.echo(f"serving on {router.endpoint}; Ctrl-C to stop")
+        click.echo(f"data parallel: {dp.size} replicas (pids "
+                   f"{[p.pid for p, _ in replicas]}) at {endpoints}, router policy "
+                   f"{dp.router_policy}")
         if gateway is not None:
             from nvllm.launch.openai.cli import start_gateway_process
 

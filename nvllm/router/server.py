@@ -189,6 +189,8 @@ class Router:
         box = self._outbox.get(client)
         if box is None and self._try_send(client, frame):
             return
+        if isinstance(msg, cp.Pong):  # only news while it is fresh: never queued
+            return
         if box is None:
             box = self._outbox[client] = deque()
         box.append(frame)

@@ -13,17 +13,17 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+from fake_leader import StallingLeader
+from routers import start_router, stop_router, wait_for
 from subproc import read_until, stop_process
 
 from nvllm import AsyncClient, Client
 from nvllm.common.errors import EngineDeadError
 from nvllm.router.policy import CacheAwareConfig
-from nvllm.router.server import Router, RouterConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +46,7 @@ def launched(tiny):
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         text = read_until(proc, r"serving on tcp://", 300)
+        text += proc.stdout.readline()  # the replicas, printed right after
         m = re.search(r"2 replicas \(pids \[(\d+), (\d+)\]\) at \['(\S+)', '(\S+)'\]", text)
         assert m is not None, text
         yield SimpleNamespace(proc=proc, pids=[int(m[1]), int(m[2])],
@@ -53,24 +54,6 @@ def launched(tiny):
                               endpoint=re.search(r"serving on (tcp://\S+);", text)[1])
     finally:
         stop_process(proc, signal.SIGKILL)
-
-
-def start_router(endpoints: list[str], policy: str, **kw) -> SimpleNamespace:
-    router = Router(endpoints, RouterConfig(policy=policy, **kw))
-    stop = threading.Event()
-    thread = threading.Thread(target=router.serve, args=(stop,), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not router.ready():
-        assert time.monotonic() < deadline, "the replicas never answered health"
-        time.sleep(0.05)
-    return SimpleNamespace(router=router, endpoint=router.endpoint, stop=stop, thread=thread)
-
-
-def stop_router(r: SimpleNamespace) -> None:
-    r.stop.set()
-    r.thread.join(30)
-    r.router.close()
 
 
 @pytest.fixture
@@ -154,53 +137,10 @@ def test_a_routing_key_sticks_and_control_messages_answer_for_all(launched):
     assert 'replica="0"' in text and 'replica="1"' in text
 
 
-class DyingLeader:
-    """A leader that answers info and health, starts every request with one token, and
-    then, told to, closes its socket as a SIGKILLed leader's does."""
-
-    def __init__(self) -> None:
-        import msgpack
-        import zmq
-
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.started, self.stop = threading.Event(), threading.Event()
-        answers = {"info": {"op": "info", "v": 1, "model": "m", "model_path": None,
-                            "max_model_len": 1024, "vocab_size": 1024,
-                            "kv_capacity_tokens": 1024, "block_size": 16,
-                            "tensor_parallel_size": 1, "ready": True},
-                   "health": {"op": "health", "ready": True}}
-
-        def serve() -> None:
-            while not self.stop.is_set():
-                if not self.sock.poll(20):
-                    continue
-                peer, frame = self.sock.recv_multipart()
-                msg = msgpack.unpackb(frame)
-                reply = answers.get(msg["op"])
-                if msg["op"] == "submit":
-                    reply = {"op": "output", "id": msg["id"], "index": 0, "token_ids": [5],
-                             "text": "x", "logprobs": None, "finish_reason": None}
-                    self.started.set()
-                if reply is not None:
-                    self.sock.send_multipart([peer, msgpack.packb(reply)])
-            self.sock.close(0)
-            self.ctx.term()
-
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-
-    def die(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-
 def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
     """Replica 0's leader goes away mid-request: that request ends with exactly one error,
     the router stops routing there, and replica 1 (real) serves the next requests."""
-    dying = DyingLeader()
+    dying = StallingLeader()
     r = start_router([dying.endpoint, launched.replicas[0]], "round_robin")
     try:
         with Client(r.endpoint, timeout_s=60) as c:
@@ -214,10 +154,7 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
             outs = [c.generate([1, 2, 3], GREEDY) for _ in range(3)]
             assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
             assert r.router.decisions["round_robin"] == 4
-            deadline = time.monotonic() + 5  # the router drops a request after relaying
-            while r.router.links[1].load:  # its last message, in its own thread
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: r.router.links[1].load == 0)
     finally:
         stop_router(r)
 
