@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 from fake_leader import StallingLeader
 from routers import start_router, stop_router, wait_for
-from subproc import read_until, stop_process
+from subproc import free_port, read_until, stop_process, wait_healthy
 
 from nvllm import AsyncClient, Client
 from nvllm.common.errors import EngineDeadError
@@ -38,19 +38,21 @@ KV_BLOCKS = 90
 def launched(tiny):
     """nvllm-launch --data-parallel-size 2: its router's endpoint, its replicas' own
     endpoints (for in-process routers with other policies) and pids."""
+    http_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nvllm.launch.cli", "--model", tiny("qwen3"),
          "--data-parallel-size", "2", "--tp", "1", "--device", "cpu", "--dtype", "float32",
          "--num-kv-blocks", str(KV_BLOCKS), "--client-timeout-s", "5",
-         "--router-policy", "cache_aware"],
+         "--router-policy", "cache_aware", "--http-port", str(http_port)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         text = read_until(proc, r"serving on tcp://", 300)
         text += proc.stdout.readline()  # the replicas, printed right after
+        assert "HTTP gateway" in proc.stdout.readline()  # ... and the gateway
         m = re.search(r"2 replicas \(pids \[(\d+), (\d+)\]\) at \['(\S+)', '(\S+)'\]", text)
         assert m is not None, text
         yield SimpleNamespace(proc=proc, pids=[int(m[1]), int(m[2])],
-                              replicas=[m[3], m[4]],
+                              replicas=[m[3], m[4]], http=f"http://127.0.0.1:{http_port}",
                               endpoint=re.search(r"serving on (tcp://\S+);", text)[1])
     finally:
         stop_process(proc, signal.SIGKILL)
@@ -135,6 +137,20 @@ def test_a_routing_key_sticks_and_control_messages_answer_for_all(launched):
     assert metric(text, sticky) - metric(before, sticky) == 3
     assert text.count("# TYPE nvllm:prompt_tokens_total counter") == 1
     assert 'replica="0"' in text and 'replica="1"' in text
+
+
+def test_the_http_gateway_serves_through_the_router(launched):
+    """The gateway attaches to the router unchanged; one OpenAI user's requests stay on
+    one replica, so the second finds the first's prefix cached."""
+    import httpx
+
+    wait_healthy(launched.http, launched.proc, 60)
+    prompt = workload(4)[0]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "user": "carol"}
+    usage = [httpx.post(f"{launched.http}/v1/completions", json=body, timeout=60).json()
+             ["usage"] for _ in range(2)]
+    assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_LEN
 
 
 def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
