@@ -19,6 +19,7 @@ ALLOWED = {
     "leader": {"common"},
     "worker": {"common", "kernels"},
     "kernels": set(),  # a leaf: the kernels take shapes and tensors, never configs
+    "router": {"common"},  # a client of the leaders: the wire, never the engine
 }
 
 

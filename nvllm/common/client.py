@@ -59,14 +59,15 @@ def _raise_for(msg: cp.Error) -> None:
 
 
 def _submit_msg(rid: str, prompt: str | list[int], params: SamplingParams | dict | None,
-                priority: int, ttl_ms: int | None) -> bytes:
+                priority: int, ttl_ms: int | None, routing_key: str | None = None) -> bytes:
     """The submit frame. A dict of params travels as given (the leader validates it and
     names any bad field); a SamplingParams as its fields."""
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
     if isinstance(params, SamplingParams) or params is None:
         return cp.encode(cp.Submit(rid, text, ids, params or SamplingParams(), priority,
-                                   ttl_ms))
-    msg = cp.to_map(cp.Submit(rid, text, ids, SamplingParams(), priority, ttl_ms))
+                                   ttl_ms, routing_key))
+    msg = cp.to_map(cp.Submit(rid, text, ids, SamplingParams(), priority, ttl_ms,
+                              routing_key))
     msg["params"] = dict(params)
     return msgpack.packb(msg, use_bin_type=True)
 
@@ -207,9 +208,12 @@ class Client:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | dict | None = None, *,
                request_id: str | None = None, priority: int = 0,
-               ttl_ms: int | None = None) -> Iterator[StreamDelta]:
+               ttl_ms: int | None = None,
+               routing_key: str | None = None) -> Iterator[StreamDelta]:
+        """`routing_key`: behind a data-parallel router, requests with the same key go to
+        the same replica (docs/data-parallel.md)."""
         rid = request_id or self._prefix + str(next(self._ids))
-        self._send(_submit_msg(rid, prompt, params, priority, ttl_ms))
+        self._send(_submit_msg(rid, prompt, params, priority, ttl_ms, routing_key))
         remaining = _n_of(params)
         try:
             while remaining:
@@ -375,7 +379,8 @@ class AsyncClient:
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                      *, request_id: str | None = None, priority: int = 0,
-                     ttl_ms: int | None = None) -> AsyncIterator[StreamDelta]:
+                     ttl_ms: int | None = None,
+                     routing_key: str | None = None) -> AsyncIterator[StreamDelta]:
         self._ensure_tasks()
         rid = request_id or self._prefix + str(next(self._ids))
         if rid in self._queues:
@@ -384,7 +389,8 @@ class AsyncClient:
         self._queues[rid] = queue
         remaining = _n_of(params)
         try:
-            await self._send(_submit_msg(rid, prompt, params, priority, ttl_ms))
+            await self._send(_submit_msg(rid, prompt, params, priority, ttl_ms,
+                                         routing_key))
             while remaining:
                 msg = await self._next(queue)
                 if isinstance(msg, cp.Error):

@@ -88,6 +88,7 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
         params: Params | None = None
         priority: Int64 | None = 0
         ttl_ms: TtlMs | None = None
+        routing_key: _bounded_str(lim.max_request_id_bytes) | None = None  # type: ignore[valid-type]
         stream: Literal[True] = True  # every request streams (docs/protocol.md)
         v: Literal[1] = 1
 
@@ -204,6 +205,8 @@ def _submit(frame: Any, lim: ClientLimits) -> cp.Submit:
     try:
         _check_bytes("id", rid, lim.max_request_id_bytes, "max_request_id_bytes")
         _check_bytes("prompt", frame.prompt, lim.max_prompt_bytes, "max_prompt_bytes")
+        _check_bytes("routing_key", frame.routing_key, lim.max_request_id_bytes,
+                     "max_request_id_bytes")
         params = _params(frame.params, lim)
     except FieldError as e:
         raise cp.ClientProtocolError(e.code, e.message, None if e.field == "id" else rid) \
@@ -211,7 +214,7 @@ def _submit(frame: Any, lim: ClientLimits) -> cp.Submit:
     except (TypeError, ValueError) as e:
         raise bad(str(e)) from None
     return cp.Submit(rid, frame.prompt, frame.prompt_token_ids, params,
-                     frame.priority or 0, frame.ttl_ms)
+                     frame.priority or 0, frame.ttl_ms, frame.routing_key)
 
 
 def _params(raw: Any, lim: ClientLimits) -> SamplingParams:

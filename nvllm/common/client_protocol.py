@@ -53,6 +53,9 @@ class Submit(ClientMessage, tag="submit"):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first; ties first come, first served
     ttl_ms: float | None = None  # the request ends with "timeout" this long after arrival
+    # Requests with the same key go to the same data-parallel replica while it is up
+    # (nvllm/router: the OpenAI ``user``); a single engine ignores it.
+    routing_key: str | None = None
     OP: ClassVar[str] = "submit"
 
 

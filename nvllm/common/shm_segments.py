@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from collections.abc import Collection
 
 try:  # the module multiprocessing.shared_memory itself uses
     import _posixshmem
@@ -40,3 +41,34 @@ def unlink_segment(name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_orphan_segments(owners: Collection[int] | None = None,
+                          folder: str = "/dev/shm") -> list[str]:
+    """Unlink every nvllm segment (``nvllm-KIND-PID-TOKEN``, the plan rings' included)
+    whose owner pid is gone (only those of `owners` when given): a SIGKILLed process
+    never unlinks its own. Returns the names removed. A segment whose owner lives (or
+    whose pid was reused) is left alone."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        if not NAME_RE.fullmatch(name):
+            continue
+        pid = int(name.split("-")[2])
+        if (owners is None or pid in owners) and not _pid_alive(pid):
+            if unlink_segment(name):
+                removed.append(name)
+    return removed

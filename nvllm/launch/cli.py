@@ -96,6 +96,21 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
                    "only); required when binding beyond loopback.")
 @click.option("--max-frame-bytes", default=64 << 20, type=int,
               help="Largest client frame; ZMQ drops a bigger one and that connection.")
+@click.option("--data-parallel-size", "-dp", "data_parallel_size", default=1,
+              type=click.IntRange(min=1),
+              help="Engine replicas, each a leader with its own --tp workers, behind one "
+                   "router on the client endpoint (docs/data-parallel.md); 1: no router.")
+@click.option("--router-policy", default="cache_aware",
+              type=click.Choice(["cache_aware", "least_load", "round_robin"]),
+              help="With --data-parallel-size > 1: how the router picks a replica.")
+@click.option("--router-cache-threshold", default=0.5, type=click.FloatRange(0, 1),
+              help="cache_aware: route by prefix when a replica holds more than this "
+                   "share of the prompt.")
+@click.option("--router-balance-abs-threshold", default=16, type=click.IntRange(min=0),
+              help="cache_aware: loads are uneven when max - min in-flight requests "
+                   "exceeds this (and the relative threshold): then least-loaded wins.")
+@click.option("--router-balance-rel-threshold", default=1.5, type=click.FloatRange(min=1),
+              help="cache_aware: ... and max exceeds this times min.")
 @click.option("--prompt", "prompts", multiple=True, help="Generate for this prompt and exit.")
 @click.option("--demo", is_flag=True, help="Answer a few built-in chat questions (plain prompts "
               "for a model without a chat template), streamed, then exit.")
@@ -113,8 +128,11 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
            http_allow_priority: bool, http_tool_call_parser: str, nnodes: int,
            node_rank: int,
            nproc_per_node: int | None, master_addr: str, master_port: int, leader_only: bool,
-           curve_key_dir: str | None, max_frame_bytes: int, prompts: tuple[str, ...],
-           demo: bool, max_tokens: int, temperature: float, log_level: str) -> None:
+           curve_key_dir: str | None, max_frame_bytes: int, data_parallel_size: int,
+           router_policy: str, router_cache_threshold: float,
+           router_balance_abs_threshold: int, router_balance_rel_threshold: float,
+           prompts: tuple[str, ...], demo: bool, max_tokens: int, temperature: float,
+           log_level: str) -> None:
     """Start an nvllm engine: one leader (this process) and TP worker processes.
 
     With --nnodes M, run it once per node: node rank 0 runs the leader and its workers,
@@ -140,6 +158,30 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         raise click.UsageError("--model is required (on node rank 0)")
     _check_access(host, http_host if http_port is not None else None, api_key, curve_key_dir,
                   dist)
+    http_options = {"max_body_bytes": http_max_body_bytes,
+                    "trust_request_chat_template": http_trust_request_chat_template,
+                    "allow_priority": http_allow_priority,
+                    "tool_call_parser": http_tool_call_parser}
+    if data_parallel_size > 1:
+        from nvllm.launch.data_parallel import DataParallelOptions, run_data_parallel
+
+        if prompts or demo or nnodes > 1 or leader_only:
+            raise click.UsageError("--data-parallel-size > 1 serves clients on one node: "
+                                   "not with --prompt, --demo, --nnodes or --leader-only")
+        logging.basicConfig(level=log_level,
+                            format="%(asctime)s nvllm-router %(levelname)s %(message)s")
+        set_process_title("nvllm-router")
+        dp = DataParallelOptions(data_parallel_size, router_policy, router_cache_threshold,
+                                 router_balance_abs_threshold, router_balance_rel_threshold)
+        gateway = None if http_port is None else dict(
+            host=http_host, port=http_port, model_name=served_model_name, api_key=api_key,
+            curve_key_dir=curve_key_dir, **http_options)
+        return run_data_parallel(dp, resolve_model(model), engine_kwargs, host=host,
+                                 port=port, served_model_name=served_model_name,
+                                 curve_key_dir=curve_key_dir,
+                                 max_frame_bytes=max_frame_bytes,
+                                 shutdown_timeout=shutdown_timeout, log_level=log_level,
+                                 gateway=gateway)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s nvllm-leader %(levelname)s %(message)s")
     from nvllm.common.config import EngineConfig
@@ -166,11 +208,7 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         else:
             _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
                    http_host if http_port is not None else None, http_port, api_key,
-                   shutdown_timeout, {
-                       "max_body_bytes": http_max_body_bytes,
-                       "trust_request_chat_template": http_trust_request_chat_template,
-                       "allow_priority": http_allow_priority,
-                       "tool_call_parser": http_tool_call_parser})
+                   shutdown_timeout, http_options)
     finally:
         engine.shutdown()
 

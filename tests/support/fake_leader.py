@@ -84,3 +84,59 @@ class FakeLeader:
         assert not self.thread.is_alive()
         self.sock.close()
         self.ctx.term()
+
+
+class StallingLeader:
+    """A leader that answers info and health, starts every request with one token and
+    then holds it (recording submits and aborts; an abort gets the final message), and
+    can close its socket at once, as a SIGKILLed leader's closes (`die`)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import msgpack
+        import zmq
+
+        self.submits: list[dict] = []
+        self.aborts: list = []
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.started, self.stop = threading.Event(), threading.Event()
+        answers = {"info": {"op": "info", "v": 1, "model": "m", "model_path": None,
+                            "max_model_len": 1024, "vocab_size": 1024,
+                            "kv_capacity_tokens": 1024, "block_size": 16,
+                            "tensor_parallel_size": 1, "ready": True},
+                   "health": {"op": "health", "ready": True},
+                   "metrics": {"op": "metrics", "text": "# TYPE up gauge\nup 1.0\n"}}
+
+        def output(rid, finish: str | None) -> dict:
+            return {"op": "output", "id": rid, "index": 0, "token_ids": [5], "text": "x",
+                    "logprobs": None, "finish_reason": finish}
+
+        def serve() -> None:
+            while not self.stop.is_set():
+                if not self.sock.poll(20):
+                    continue
+                peer, frame = self.sock.recv_multipart()
+                msg = msgpack.unpackb(frame)
+                reply = answers.get(msg["op"])
+                if msg["op"] == "submit":
+                    self.submits.append(msg)
+                    reply = output(msg["id"], None)
+                    self.started.set()
+                elif msg["op"] == "abort":
+                    self.aborts.append(msg["id"])
+                    reply = output(msg["id"], "abort")
+                if reply is not None:
+                    self.sock.send_multipart([peer, msgpack.packb(reply)])
+            self.sock.close(0)
+            self.ctx.term()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def die(self) -> None:
+        self.stop.set()
+        self.thread.join(10)

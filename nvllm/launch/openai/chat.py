@@ -74,7 +74,7 @@ async def chat_completions(request: Request) -> Response:
     params = leader_params(body, lp, max_tokens, body.prompt_logprobs)
     if constraint is not None:
         params["structured_outputs"] = constraint[1]
-    job = fanout.Job(prompt_ids, params, body.priority, body.ttl_ms)
+    job = fanout.Job(prompt_ids, params, body.priority, body.ttl_ms, body.user)
     tokens = await state.tokens() if body.logprobs else None
     ptokens = await state.tokens() if body.prompt_logprobs is not None else None
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",

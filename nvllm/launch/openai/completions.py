@@ -111,7 +111,7 @@ async def completions(request: Request) -> Response:
     if body.echo or plp is not None:
         texts, prompts = await state.render(_prompt_texts, await state.tokenizer(), prompts,
                                             plp is not None)
-    jobs = [fanout.Job(q, params, body.priority, body.ttl_ms) for q in prompts]
+    jobs = [fanout.Job(q, params, body.priority, body.ttl_ms, body.user) for q in prompts]
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()),
                         await state.served_name())
     try:

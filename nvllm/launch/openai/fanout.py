@@ -33,6 +33,7 @@ class Job:
     params: dict
     priority: int = 0
     ttl_ms: int | None = None
+    routing_key: str | None = None  # the OpenAI user: one replica per user (router)
 
 
 class Fanout:
@@ -59,7 +60,7 @@ class Fanout:
 
     async def _pump(self, i: int, job: Job) -> None:
         stream = self.client.stream(job.prompt, job.params, priority=job.priority,
-                                    ttl_ms=job.ttl_ms)
+                                    ttl_ms=job.ttl_ms, routing_key=job.routing_key)
         try:
             async for d in stream:
                 if self._cancelled:

@@ -72,7 +72,7 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 # Fields that change nothing here and that clients send: accepted and dropped.
 ACCEPTED_IGNORED = frozenset({
-    "user", "safety_identifier", "store", "metadata", "service_tier",
+    "safety_identifier", "store", "metadata", "service_tier",
     "prompt_cache_key", "prompt_cache_retention",
 })
 # A request-supplied chat template is code run on the gateway (jinja2's sandbox stops
@@ -206,6 +206,9 @@ class SamplingBody(_Body):
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     priority: int = Field(0, ge=-(2**31), le=MAX_INT32)  # only with --allow-priority
     ttl_ms: int | None = Field(None, ge=1, le=MAX_INT32)
+    # OpenAI's end-user id: behind a data-parallel router, one user's requests stay on one
+    # replica (the client wire's routing_key, bounded as its request ids are).
+    user: str | None = Field(None, max_length=256)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None

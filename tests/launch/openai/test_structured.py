@@ -1,7 +1,7 @@
 """nvllm.launch.openai.structured: every spelling of an output constraint (response_format,
 structured_outputs, guided_*) reaches the leader as one structured_outputs map; more than
 one, ignore_eos with one, and anything past the limits are 400s naming the field, before
-any leader request."""
+any leader request. (And the OpenAI `user` reaches the leader as the routing key.)"""
 
 from __future__ import annotations
 
@@ -159,3 +159,14 @@ def test_leader_errors_about_the_constraint_are_400s(gateway, leader):
         err = error(gateway().post(route, json={**body, "guided_regex": "("}))
         assert err["type"] == "invalid_request_error"
         assert "cannot compile" in err["message"] and err["param"] == "guided_regex"
+
+
+def test_the_openai_user_reaches_the_leader_as_its_routing_key(gateway, leader):
+    """A data-parallel router keeps one user's requests on one replica (routing_key)."""
+    for route, body in ROUTES:
+        assert gateway().post(route, json={**body, "user": "alice"}).status_code == 200
+        assert leader.submits[-1]["routing_key"] == "alice"
+        assert gateway().post(route, json=body).status_code == 200
+        assert leader.submits[-1]["routing_key"] is None
+    r = gateway().post(ROUTES[0][0], json={**ROUTES[0][1], "user": "u" * 257})
+    assert error(r)["param"] == "user"

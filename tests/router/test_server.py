@@ -1,0 +1,119 @@
+"""The router's wire behaviour against fake leaders (no model): request ids renamed and
+given back, n completions, aborts and silent clients forwarded, bad frames answered
+without reaching a replica, control messages, and no replica up."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+from fake_leader import FakeLeader, StallingLeader
+from raw_client import RawClient
+from routers import start_router, stop_router, wait_for
+
+from nvllm import Client
+from nvllm.common.errors import EngineDeadError
+
+
+@pytest.fixture
+def stalling():
+    leaders = [StallingLeader(), StallingLeader()]
+    yield leaders
+    for leader in leaders:
+        leader.die()
+
+
+@pytest.fixture
+def answering(tmp_path):
+    leaders = [FakeLeader(str(tmp_path)), FakeLeader(str(tmp_path))]
+    yield leaders
+    for leader in leaders:
+        leader.close()
+
+
+@pytest.fixture
+def router():
+    started = []
+
+    def start(endpoints, policy="round_robin", **kw):
+        started.append(start_router(endpoints, policy, **kw))
+        return started[-1]
+
+    yield start
+    for r in started:
+        stop_router(r)
+
+
+def test_two_clients_may_use_one_id_and_each_gets_its_own_back(answering, router):
+    r = router([leader.endpoint for leader in answering])
+    with Client(r.endpoint, timeout_s=10) as a, Client(r.endpoint, timeout_s=10) as b:
+        for c in (a, b, a, b):
+            out = c.generate([1, 2], {"n": 2, "max_tokens": 1}, request_id="same")
+            assert out.request_id == "same" and len(out.outputs) == 2
+    sent = [s["id"] for leader in answering for s in leader.submits]
+    assert len(sent) == len(set(sent)) == 4 and all(type(i) is int for i in sent)
+    assert [len(leader.submits) for leader in answering] == [2, 2]
+    wait_for(lambda: all(lk.load == 0 for lk in r.router.links))
+
+
+def test_abort_and_a_silent_client_reach_the_replica(stalling, router):
+    r = router([stalling[0].endpoint], client_timeout_s=1.0)
+    with RawClient(r.endpoint, timeout_s=10) as c:
+        c.send_map({"op": "submit", "id": "x", "prompt_token_ids": [1]})
+        assert c.wait_map("x")["finish_reason"] is None
+        c.send_map({"op": "submit", "id": "x", "prompt_token_ids": [1]})
+        assert c.wait_map("x")["code"] == "duplicate_id"
+        c.abort("x")
+        assert c.wait_map("x")["finish_reason"] == "abort"
+        assert stalling[0].aborts == [stalling[0].submits[0]["id"]]
+        c.send_map({"op": "submit", "id": "y", "prompt_token_ids": [2]})
+        assert c.wait_map("y")["finish_reason"] is None
+    # The client is gone without a word: after client_timeout_s its request is aborted.
+    wait_for(lambda: len(stalling[0].aborts) == 2, timeout_s=10)
+    assert r.router.links[0].load == 0
+
+
+@pytest.mark.parametrize("frame,code,has_id", [
+    (b"\xc1", "bad_frame", False),
+    (msgpack.packb([1, 2]), "bad_frame", False),
+    (msgpack.packb({"op": "fly"}), "bad_op", False),
+    (msgpack.packb({"op": "submit", "id": "a", "v": 2}), "bad_version", False),
+    (msgpack.packb({"op": "submit", "id": [1], "prompt": "p"}), "invalid_request", False),
+    (msgpack.packb({"op": "submit", "id": "a" * 300, "prompt": "p"}), "invalid_request",
+     False),
+    (msgpack.packb({"op": "submit", "id": "a", "prompt": "p", "routing_key": 5}),
+     "invalid_request", True),
+])
+def test_bad_frames_are_answered_and_reach_no_replica(stalling, router, frame, code, has_id):
+    r = router([stalling[0].endpoint])
+    with RawClient(r.endpoint, timeout_s=10) as c:
+        c._send(frame)
+        msg = c.recv_map(time.monotonic() + 10)
+        assert msg["op"] == "error" and msg["code"] == code
+        assert msg["id"] == ("a" if has_id else None)
+    assert stalling[0].submits == []
+
+
+def test_control_messages_answer_for_the_set(stalling, router):
+    r = router([leader.endpoint for leader in stalling])
+    with Client(r.endpoint, timeout_s=10) as c:
+        info = c.info()
+        assert info["ready"] and info["kv_capacity_tokens"] == 2048
+        assert c.health() == {"op": "health", "ready": True}
+        text = c.metrics()
+        assert text.count("# TYPE up gauge") == 1
+        assert 'up{replica="0"} 1.0' in text and 'up{replica="1"} 1.0' in text
+        assert 'nvllm_router:replica_up{replica="1"} 1.0' in text
+        stalling[1].die()
+        wait_for(lambda: not r.router.links[1].up)
+        assert c.health()["reason"].startswith("1 of 2 replicas up (replica 1: its conn")
+        assert '\nup{replica="1"}' not in c.metrics()
+
+
+def test_no_replica_up_is_one_clear_error(router):
+    r = router(["tcp://127.0.0.1:9"], wait_ready=False)  # nothing listens there
+    with Client(r.endpoint, timeout_s=10) as c:
+        with pytest.raises(EngineDeadError, match="no replica is up .replica 0: "):
+            c.generate([1], {"max_tokens": 1})
+        assert c.health()["ready"] is False
