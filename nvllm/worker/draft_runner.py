@@ -11,12 +11,22 @@ would want sharding like the target; that is not built.
 
 Its KV cache. The draft's paged cache has the target's block ids and slot mapping: the
 leader's block table serves both, so there is no second block manager and the draft's KV
-lives in the same block budget. It holds draft KV for every token the target computed:
-after the target's forward of each step, ``run`` runs the draft over the same input
-rows (prefill chunks, recomputes after preemption or a worker restart, decodes, verify
-rows), writing at the same slots. Prefix-cache hits share blocks that hold both models'
-KV, since every step that wrote one wrote the other. Rejected drafts leave stale KV in
-both caches past the computed tokens, which later steps overwrite.
+lives in the same block budget. The draft runs only where it drafts: a step whose plan
+asks no drafts (speculation off at this batch size, every sequence paused for low
+acceptance, ``disable_by_batch_size``) runs no draft forward at all, and in a step that
+does, ``run`` computes the draft's KV for the rows that draft after it (and prefill
+chunks that directly follow their draft KV), at the target's slots. Per row it keeps how
+far its draft KV is right (``draft_computed``); a row that drafts again after steps
+without the draft is caught up first, in the same forward: a draft-only prefill of its
+missing known tokens, all rows' catch-ups sharing one step's token budget (a row cut
+short drafts nothing this step and continues in the next). The positions are inside
+the row's blocks already (the target computed them), so no slot is reserved for it.
+Prefix hits: a hit block holds the target's KV, the draft's only if the draft filled it
+(``block_full``, per block id: set when a row's draft KV passes the block's end, cleared
+whenever the target writes the block); a new or resumed sequence's draft KV starts after
+its leading hit blocks the draft filled, and is caught up from there (never behind the
+target's sliding window, whose blocks the leader may have given back). Rejected drafts
+leave stale KV in both caches past the computed tokens, which later steps overwrite.
 
 Drafting (``run``, after that pass): for each sequence that sampled and that the plan
 lists (``StepPlan.draft_seq_ids``: not paused for low acceptance), k greedy decode steps
