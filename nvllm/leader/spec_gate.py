@@ -143,13 +143,16 @@ class SpecGate:
             st.since = 0
 
     def _on_idle(self, st: _Class, rate: float) -> None:
-        """An on-window in which no sequence could propose: the class goes off (its
-        rate stands as off's if off has none yet), or a try of on counts as lost."""
+        """An on-window in which no sequence could propose: the class goes off, or a try
+        of on counts as lost. On's rate is forgotten (the window measured off's, in
+        effect; an older on figure could win the class straight back), so on is next
+        judged by its next try; the window's rate stands for off's until off's first
+        window replaces it."""
         if st.mode:
+            st.rate.pop(True, None)
             st.rate.setdefault(False, rate)
-            st.rate.setdefault(True, rate)
-            logger.info("speculative decoding off at this batch size: every sequence "
-                        "paused for low acceptance through a window")
+            logger.info("speculative decoding off at this batch size: no sequence could "
+                        "propose through a window (paused for low acceptance)")
             st.mode, st.interval, st.since, st.fresh = False, self.min_interval, 0, True
             self.num_switches += 1
         else:
