@@ -15,7 +15,8 @@ and what its users ask, so no batch-size threshold is right everywhere
 The gate measures instead, per batch-size class (running sequences, in powers of two):
 output tokens per second of engine step time, over windows of ``window`` steps, with
 speculation on and off. It runs windows in the class's mode (on at first: the user asked
-for speculation), tries the other mode for one window now and then, and switches when
+for speculation; a class first met next to one that has measured both modes starts in
+that one's mode), tries the other mode for one window now and then, and switches when
 the other mode's rate is higher. The wait between tries doubles each time the try loses
 (``min_interval`` to ``max_interval`` windows), so a right mode costs about one window in
 ``max_interval``; a switch won by one lucky window is undone as soon as the mode's
@@ -87,6 +88,11 @@ class SpecGate:
         if st is None:
             st = self._classes[c] = _Class(interval=self.min_interval,
                                            since=self.min_interval)
+            near = [n for n in (self._classes.get(c + 1), self._classes.get(c - 1))
+                    if n is not None and len(n.rate) == 2]
+            if near:  # neighbours' costs are alike: start as the nearest decided one
+                st.mode = st.w_mode = near[0].mode
+                st.since = 0  # and try the other mode only after the usual wait
         return st
 
     def allow(self, num_running: int) -> bool:

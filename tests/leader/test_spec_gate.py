@@ -46,6 +46,18 @@ def test_each_batch_size_decides_for_itself():
     assert gate.modes() == {0: True, 4: False, 5: False}
 
 
+def test_a_new_batch_size_starts_as_its_decided_neighbour():
+    """As a batch of 16 finishes, 8..15 run for a while (the next class down): it starts
+    off, as its neighbour decided, and tries on only after the usual wait; a class with
+    no decided neighbour starts on."""
+    gate = SpecGate(window=2)
+    drive(gate, 200, {True: 100, False: 200})
+    assert gate.modes() == {4: False}
+    ran = drive(gate, 2 * 4, {True: 100, False: 200}, num_running=8)
+    assert ran == {True: 0, False: 8} and gate.modes() == {3: False, 4: False}
+    assert gate.allow(2) is True  # class 1: neighbours 0 and 2 unknown
+
+
 def test_a_change_of_workload_is_followed_within_the_longest_wait():
     gate = SpecGate(window=4, max_interval=16)
     drive(gate, 2000, {True: 160, False: 200})
