@@ -279,7 +279,8 @@ class LLMEngine:
                 raise
         step_time = time.perf_counter() - t0
         if self.spec_gate is not None:
-            self.spec_gate.record(num_running, speculate, self._step_tokens, step_time)
+            self.spec_gate.record(num_running, allowed, self._step_tokens, step_time,
+                                  speculated=speculate)
         self.last_step.step_time_s = step_time
         self.total_step_s += step_time
         return out

@@ -33,7 +33,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from nvllm.common.speculative import SpeculativeConfig
 from nvllm.leader.sequence import Sequence
 
-EMA_WEIGHT = 0.3  # of the newest verify step in a sequence's acceptance average
+EMA_WEIGHT = 0.3  # of the newest verify step in an acceptance average
 
 
 @dataclass(slots=True)
@@ -52,11 +52,18 @@ class AcceptanceGate:
     """The adaptive rule every proposer shares: per sequence, an exponential moving
     average of its acceptance rate; under ``min_acceptance_rate`` it stops proposing until
     it has generated ``retry_after_tokens`` more tokens (a function of its length, so a
-    paused sequence resumes whether or not anyone asks meanwhile)."""
+    paused sequence resumes whether or not anyone asks meanwhile).
+
+    A sequence's average starts at the acceptance every sequence has had recently (1.0
+    before any): how well the drafts agree is mostly the proposer's and the model's, so
+    where they never do (a useless draft model) a new sequence pauses after its first
+    rejected verify step instead of paying for several (each new request would otherwise
+    repeat them)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._seqs: dict[int, _Acceptance] = {}
+        self.recent = 1.0  # moving average of the acceptance over every verify step
 
     def eligible(self, seq: Sequence) -> bool:
         """Whether the sequence may propose (not paused for low acceptance); no side
@@ -70,9 +77,13 @@ class AcceptanceGate:
         update its acceptance average and pause it below the threshold."""
         if num_drafted <= 0:
             return
-        st = self._seqs.setdefault(seq_id, _Acceptance())
-        st.value += EMA_WEIGHT * (num_accepted / num_drafted - st.value)
         c = self.config
+        st = self._seqs.get(seq_id)
+        if st is None:
+            st = self._seqs[seq_id] = _Acceptance(max(self.recent, c.min_acceptance_rate))
+        rate = num_accepted / num_drafted
+        st.value += EMA_WEIGHT * (rate - st.value)
+        self.recent += EMA_WEIGHT * (rate - self.recent)
         if st.value < c.min_acceptance_rate:
             st.paused_until = (num_tokens + c.retry_after_tokens if c.retry_after_tokens
                                else 1 << 62)

@@ -90,3 +90,25 @@ def test_low_acceptance_pauses_then_retries():
     assert p.eligible(s)  # three tokens later it tries again
     p.drop(0)
     assert p.eligible(s)
+
+
+def test_a_new_sequence_starts_at_the_recent_acceptance():
+    """Drafts nobody accepts (a useless draft model): the first sequence pays for several
+    rejected verify steps before it pauses, a later one for one; while drafts were being
+    accepted, a new sequence starts trusting them."""
+    c = SpeculativeConfig(num_speculative_tokens=2, min_acceptance_rate=0.2,
+                          retry_after_tokens=32)
+    p = NgramProposer(c)
+    first, later = seq(0, [1, 2, 3]), seq(1, [1, 2, 3])
+    steps = 0
+    while p.eligible(first):
+        p.observe(0, 2, 0, first.num_tokens)
+        steps += 1
+    assert steps == 5  # 1.0 falls under 0.2 after five rejections
+    p.observe(1, 2, 0, later.num_tokens)
+    assert not p.eligible(later)
+    q = NgramProposer(c)
+    for i in range(10):
+        q.observe(10 + i, 2, 2, 3)
+    q.observe(0, 2, 0, first.num_tokens)
+    assert q.eligible(first)

@@ -46,6 +46,18 @@ def test_each_batch_size_decides_for_itself():
     assert gate.modes() == {0: True, 4: False, 5: False}
 
 
+def test_a_new_batch_size_starts_as_its_decided_neighbour():
+    """As a batch of 16 finishes, 8..15 run for a while (the next class down): it starts
+    off, as its neighbour decided, and tries on only after the usual wait; a class with
+    no decided neighbour starts on."""
+    gate = SpecGate(window=2)
+    drive(gate, 200, {True: 100, False: 200})
+    assert gate.modes() == {4: False}
+    ran = drive(gate, 2 * 4, {True: 100, False: 200}, num_running=8)
+    assert ran == {True: 0, False: 8} and gate.modes() == {3: False, 4: False}
+    assert gate.allow(2) is True  # class 1: neighbours 0 and 2 unknown
+
+
 def test_a_change_of_workload_is_followed_within_the_longest_wait():
     gate = SpecGate(window=4, max_interval=16)
     drive(gate, 2000, {True: 160, False: 200})
@@ -70,17 +82,35 @@ def test_a_lucky_window_does_not_keep_the_worse_mode():
     assert gate.modes() == {4: False}
 
 
-def test_steps_that_ran_otherwise_than_allowed_are_not_counted():
-    """Allowed to speculate but nothing could (every sequence paused for low
-    acceptance): such a step ran without speculating and says nothing about either."""
-    gate = SpecGate(window=2)
+def test_paused_steps_count_in_the_on_window():
+    """Allowed to speculate but every sequence paused for low acceptance in some steps:
+    those steps count in the on-window (pauses are part of what speculating delivers),
+    so the window fills and reaches a verdict."""
+    gate = SpecGate(window=4)
     assert gate.allow(16) is True
-    for _ in range(10):
-        gate.record(16, False, 1000, 0.05)  # ran off while the window measures on
-    assert gate._classes[4].rate == {}
-    gate.record(16, True, 5, 0.05)
-    gate.record(16, True, 5, 0.05)
+    for active in (True, False, False, True):
+        gate.record(16, True, 5, 0.05, speculated=active)
     assert gate._classes[4].rate == {True: pytest.approx(100.0)}
+    assert gate.modes() == {4: True}
+
+
+def test_a_window_with_every_sequence_paused_turns_the_class_off():
+    """Drafts pay at first (on measured at 200 tok/s, off tried at 100), then the draft
+    stops agreeing and its sequences are paused nearly always. A whole on-window in which
+    nobody could propose is a verdict for off, which the older on figure does not undo,
+    and the tries of on that follow (paused again) lose, each wait twice the last."""
+    gate = SpecGate(window=2)
+    for mode, tokens in ((True, 10), (True, 10), (False, 5), (False, 5)):
+        assert gate.allow(16) is mode
+        gate.record(16, mode, tokens, 0.05)
+    assert gate.modes() == {4: True} and gate.num_switches == 0
+    ran = {True: 0, False: 0}
+    for _ in range(2000):
+        mode = gate.allow(16)
+        ran[mode] += 1
+        gate.record(16, mode, 5, 0.05, speculated=False)
+    assert gate.modes() == {4: False} and gate.num_switches == 1
+    assert ran[True] < 0.02 * 2000
 
 
 def test_bad_settings_are_refused():

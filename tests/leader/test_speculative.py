@@ -224,7 +224,8 @@ def test_the_measured_gate_decides_each_step_and_sees_its_tokens(make_engine, to
         return answers[-1]
 
     gate.allow = allow
-    gate.record = lambda n, speculated, tokens, s: seen.append((n, speculated, tokens))
+    gate.record = lambda n, allowed, tokens, s, speculated: seen.append(
+        (n, allowed and speculated, tokens))
     run_checked(engine, workers, tokenizer, max_tokens=40)
     st = engine.scheduler.spec_stats
     assert len(answers) == len(seen)  # asked once per step, told once per step
