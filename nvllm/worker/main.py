@@ -42,7 +42,7 @@ from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
 from nvllm.worker.thread_tuner import ThreadTuner
-from nvllm.worker.weight_update import WeightUpdater, WeightUpdateError
+from nvllm.worker.weight_update import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("nvllm.worker")
 

@@ -21,11 +21,11 @@ from nvllm.common.worker_protocol import (
     Shutdown,
     StepPlan,
     StepResult,
+    WeightChunk,
+    WeightsAck,
     WorkerError,
     WorkerReady,
     WorkerSampling,
-    WeightChunk,
-    WeightsAck,
     decode,
     encode,
 )
