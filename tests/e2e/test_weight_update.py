@@ -70,28 +70,47 @@ def _run(llm: LLM) -> list:
     return outs
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_update_equals_hf_on_new_weights(ckpts, tp):
+_REFS: dict[str, list[list[int]]] = {}
+
+
+def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
+    """HF greedy tokens of every prompt on `state`, once per label in the session."""
+    if label not in _REFS:
+        _REFS[label] = [hf_greedy(folder, state, p) for p in PROMPTS]
+    return _REFS[label]
+
+
+def test_update_equals_hf_at_tp2(ckpts):
     folder, a, b = ckpts
-    with LLM(folder, tensor_parallel_size=tp, device="cpu", dtype="float32",
+    with LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32",
              block_size=8) as llm:
+        assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "A", a)
+        assert llm.update_weights(b.items(), weight_version="B",
+                                  chunk_bytes=SMALL_CHUNK) == "B"
+        after = _run(llm)
+        assert [o.token_ids for o in after] == hf_refs(folder, "B", b)
+        assert all(o.weight_version == "B" for o in after)
+
+
+def test_update_refusal_partial_and_pause_modes(ckpts):
+    """tp=1, one engine: a full update, two refused ones, a partial one, then every
+    pause mode (keep across an update)."""
+    folder, a, b = ckpts
+    with LLM(folder, device="cpu", dtype="float32", block_size=8) as llm:
         before = _run(llm)
-        assert [o.token_ids for o in before] == [hf_greedy(folder, a, p) for p in PROMPTS]
+        assert [o.token_ids for o in before] == hf_refs(folder, "A", a)
         assert all(o.weight_version is None for o in before)
 
         hits = llm.engine.kv.stats.hits
         assert llm.update_weights(b.items(), weight_version="B",
                                   chunk_bytes=SMALL_CHUNK) == "B"
         after = _run(llm)
-        want_b = [hf_greedy(folder, b, p) for p in PROMPTS]
-        assert [o.token_ids for o in after] == want_b
-        # Same prompts again, but nothing computed on A may be hit: only the third prompt
-        # may reuse the first's blocks, computed on B in this very batch.
+        assert [o.token_ids for o in after] == hf_refs(folder, "B", b)
+        # The same prompts again, but nothing computed on A may be hit: only the third
+        # prompt may reuse the first's two full blocks, computed on B in this batch.
         assert llm.engine.kv.stats.hits - hits <= 16
         assert all(o.weight_version == "B" and o.outputs[0].weight_version == "B"
                    for o in after)
-        if tp == 2:
-            return
 
         # One wrong shape among good tensors: refused on every rank, B stays in force.
         q0 = "model.layers.0.self_attn.q_proj.weight"
@@ -100,76 +119,73 @@ def test_update_equals_hf_on_new_weights(ckpts, tp):
             llm.update_weights(bad, weight_version="bad")
         with pytest.raises(WeightUpdateError, match="not a tensor of this model"):
             llm.update_weights({"model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)})
-        kept = _run(llm)
-        assert [o.token_ids for o in kept] == want_b
+        assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "B", b)
         assert llm.weight_version == "B"
 
-        # Partial: A's q_proj (one third of a fused q/k/v) and A's gate_proj (half of
+        # Partial: A's q_proj (a third of the fused q/k/v) and gate_proj (half of
         # gate/up) of layer 0, in bfloat16 (cast on the way in); the rest stays B.
-        names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"]
+        names = [q0, "model.layers.0.mlp.gate_proj.weight"]
         part = {n: a[n].to(torch.bfloat16) for n in names}
         assert llm.update_weights(part) == 2  # no version given: the count of updates
         mixed = {**b, **{n: t.float() for n, t in part.items()}}
-        assert [o.token_ids for o in _run(llm)] == [hf_greedy(folder, mixed, p)
-                                                    for p in PROMPTS]
+        assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "mixed", mixed)
+        llm.update_weights(b, weight_version="B")
+        _pause_modes(llm, folder, a)
 
 
-def test_pause_modes_end_every_request_once(ckpts):
-    folder, a, b = ckpts
-    with LLM(folder, device="cpu", dtype="float32", block_size=8) as llm:
-        eng = llm.engine
+def _pause_modes(llm: LLM, folder: str, a: dict[str, torch.Tensor]) -> None:
+    eng = llm.engine
 
-        def submit(n: int = 3) -> list[str]:
-            return [eng.submit(prompt_token_ids=PROMPTS[i % 3], params=GREEDY).request_id
-                    for i in range(n)]
+    def submit(n: int) -> list[str]:
+        return [eng.submit(prompt_token_ids=PROMPTS[i % 3], params=GREEDY).request_id
+                for i in range(n)]
 
-        def drive(ids: list[str], outs: list) -> dict[str, object]:
-            done = {o.request_id: o for o in outs}
-            assert len(done) == len(outs)
-            while eng.has_unfinished_requests():
-                for o in eng.step().finished:
-                    assert o.request_id not in done
-                    done[o.request_id] = o
-            assert set(done) == set(ids)
-            return done
+    def drive(ids: list[str]) -> dict[str, object]:
+        done: dict[str, object] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step().finished:
+                assert o.request_id not in done
+                done[o.request_id] = o
+        assert set(done) == set(ids)
+        return done
 
-        # abort: every running (and waiting) request ends now, with "abort".
-        ids = submit()
-        eng.step()
-        out = llm.pause_generation(mode="abort")
-        assert sorted(o.request_id for o in out) == sorted(ids)
-        assert all(o.finish_reason == "abort" for o in out)
-        late = submit(1)  # arrives while paused: waits
-        for _ in range(3):
-            assert not eng.step().finished
-        llm.resume_generation()
-        drive(late, [])
-
-        # wait: running requests finish; one that arrives meanwhile waits for resume.
-        ids = submit(2)
-        eng.step()
-        out = llm.pause_generation(mode="wait")
-        late = submit(1)
-        assert sorted(o.request_id for o in out) == sorted(ids)
-        assert all(len(o.token_ids) == MAX_TOKENS for o in out)
+    # abort: every running (and waiting) request ends now, with "abort", once.
+    ids = submit(3)
+    eng.step()
+    out = llm.pause_generation(mode="abort")
+    assert sorted(o.request_id for o in out) == sorted(ids)
+    assert all(o.finish_reason == "abort" for o in out)
+    late = submit(1)  # arrives while paused: waits
+    for _ in range(3):
         assert not eng.step().finished
-        llm.resume_generation()
-        drive(late, [])
+    llm.resume_generation()
+    drive(late)
 
-        # keep: held across an update to B, their KV recomputed on B: each continues
-        # as HF on B continues its prompt plus the tokens it had from A.
-        ids = submit(2)
-        for _ in range(4):
-            eng.step()
-        llm.pause_generation(mode="keep")
-        so_far = {rid: list(eng.requests[rid].seqs[0].token_ids) for rid in ids}
-        llm.update_weights(b, weight_version=7)
-        llm.resume_generation()
-        done = drive(ids, [])
-        for rid in ids:
-            toks = so_far[rid]
-            made = toks[len(done[rid].prompt_token_ids):]
-            assert 0 < len(made) < MAX_TOKENS
-            want = made + hf_greedy(folder, b, toks, MAX_TOKENS - len(made))
-            assert done[rid].token_ids == want
-            assert done[rid].weight_version == 7
+    # wait: running requests finish; one that arrives meanwhile waits for resume.
+    ids = submit(2)
+    eng.step()
+    out = llm.pause_generation(mode="wait")
+    late = submit(1)
+    assert sorted(o.request_id for o in out) == sorted(ids)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in out)
+    assert not eng.step().finished
+    llm.resume_generation()
+    drive(late)
+
+    # keep: held across an update (B -> A), their KV recomputed on A: each goes on as HF
+    # on A continues its prompt plus the tokens it had made on B.
+    ids = submit(2)
+    for _ in range(4):
+        eng.step()
+    llm.pause_generation(mode="keep")
+    so_far = {rid: list(eng.requests[rid].seqs[0].token_ids) for rid in ids}
+    llm.update_weights(a, weight_version=7)
+    llm.resume_generation()
+    done = drive(ids)
+    for rid in ids:
+        toks = so_far[rid]
+        made = toks[len(done[rid].prompt_token_ids):]
+        assert 0 < len(made) < MAX_TOKENS
+        want = made + hf_greedy(folder, a, toks, MAX_TOKENS - len(made))
+        assert done[rid].token_ids == want
+        assert done[rid].weight_version == 7
