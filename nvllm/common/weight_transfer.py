@@ -19,6 +19,8 @@ import numpy as np
 from nvllm.common.transport import ArrayRef, ArrayWriter, TransportError, inline_ref
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+# Chunks that travel inline in client frames stay under the server's frame limit.
+INLINE_CHUNK_BYTES = 16 << 20
 # Boundaries a client message is held to (nvllm/common/client_decode.py checks them too).
 MAX_WEIGHT_NAME_CHARS = 256
 MAX_TENSORS_PER_CHUNK = 4096
@@ -35,6 +37,14 @@ WireTensor = tuple[str, str, np.ndarray]
 class WeightUpdateError(ValueError):
     """An update refused before anything changed: a bad name, shape or dtype, a quantized
     layer, a limit. The engine keeps serving its old weights."""
+
+
+def same_host(endpoint: str) -> bool:
+    """Whether a leader endpoint is on this host (its workers then map our segments)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def check_weight_version(version: Any) -> int | str | None:

@@ -8,12 +8,18 @@ the pause mode."""
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from served import serve, teardown
 
-from nvllm import LLM, SamplingParams
+from nvllm import LLM, Client, SamplingParams
 from nvllm.common.model_source import safetensors_files
 from nvllm.common.weight_transfer import WeightUpdateError
 
@@ -31,12 +37,13 @@ SMALL_CHUNK = 16 << 10  # several chunks, and tensors larger than one chunk
 
 @pytest.fixture(scope="module")
 def ckpts(tiny, tmp_path_factory):
-    """(A's folder, A's tensors, B's tensors): B is A's preset with another seed."""
+    """(A's folder, A's tensors, B's tensors, B's folder): B is A's preset with another
+    seed."""
     from nvllm.launch.tiny import PRESETS, make_tiny_checkpoint
 
     a = tiny(PRESET)
     b = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt-b"), **PRESETS[PRESET], seed=1)
-    return a, _tensors(a), _tensors(b)
+    return a, _tensors(a), _tensors(b), b
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:
@@ -80,22 +87,46 @@ def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[lis
     return _REFS[label]
 
 
-def test_update_equals_hf_at_tp2(ckpts):
-    folder, a, b = ckpts
-    with LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32",
-             block_size=8) as llm:
-        assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "A", a)
-        assert llm.update_weights(b.items(), weight_version="B",
-                                  chunk_bytes=SMALL_CHUNK) == "B"
-        after = _run(llm)
-        assert [o.token_ids for o in after] == hf_refs(folder, "B", b)
-        assert all(o.weight_version == "B" for o in after)
+def _trainer(endpoint: str, folder, mode: str) -> subprocess.CompletedProcess:
+    script = pathlib.Path(__file__).parents[1] / "support" / "rl_trainer.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run([sys.executable, str(script), endpoint, str(folder), mode],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_served_update_from_a_trainer_process_at_tp2(ckpts):
+    """A trainer process pushes B through nvllm.Client (its own shared memory, the
+    leader forwarding the refs) into a tp=2 engine; a trainer killed mid-update leaves
+    the weights as they were."""
+    folder, a, b, b_dir = ckpts
+    llm = LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", block_size=8,
+              client_timeout_s=1.0)
+    s = serve(llm)
+    try:
+        with Client(s.endpoint, timeout_s=60) as client:
+            def run() -> list:
+                return [client.generate(p, GREEDY) for p in PROMPTS]
+
+            assert [o.token_ids for o in run()] == hf_refs(folder, "A", a)
+            died = _trainer(s.endpoint, b_dir, "die")
+            assert died.returncode == 3, died.stderr[-2000:]
+            time.sleep(1.5)  # past client_timeout_s: the leader drops its staging
+            assert [o.token_ids for o in run()] == hf_refs(folder, "A", a)
+            assert s.server.rollout.update_id is None
+
+            done = _trainer(s.endpoint, b_dir, "update")
+            assert done.returncode == 0 and "version=B" in done.stdout, done.stderr[-2000:]
+            after = run()
+            assert [o.token_ids for o in after] == hf_refs(folder, "B", b)
+            assert all(o.weight_version == "B" for o in after)
+    finally:
+        teardown(s)
 
 
 def test_update_refusal_partial_and_pause_modes(ckpts):
     """tp=1, one engine: a full update, two refused ones, a partial one, then every
     pause mode (keep across an update)."""
-    folder, a, b = ckpts
+    folder, a, b, _ = ckpts
     with LLM(folder, device="cpu", dtype="float32", block_size=8) as llm:
         before = _run(llm)
         assert [o.token_ids for o in before] == hf_refs(folder, "A", a)
