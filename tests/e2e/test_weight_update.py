@@ -7,6 +7,7 @@ the pause mode."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import pathlib
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from served import serve, teardown
 
-from nvllm import LLM, Client, SamplingParams
+from nvllm import LLM, AsyncClient, Client, SamplingParams
 from nvllm.common.model_source import safetensors_files
 from nvllm.common.weight_transfer import WeightUpdateError
 
@@ -33,6 +34,7 @@ PROMPTS = [[1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7, 8, 300, 12, 11, 64, 2, 3],
            [400, 12, 7], [1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7, 8, 300, 12, 11, 64, 5]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SMALL_CHUNK = 16 << 10  # several chunks, and tensors larger than one chunk
+LONG = 40  # tokens of the request held across an update
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +121,48 @@ def test_served_update_from_a_trainer_process_at_tp2(ckpts):
             after = run()
             assert [o.token_ids for o in after] == hf_refs(folder, "B", b)
             assert all(o.weight_version == "B" for o in after)
+        # AsyncClient: a partial update (A's final norm) while a request is held.
+        norm = "model.norm.weight"
+        toks, version, finish = asyncio.run(_async_partial(s.endpoint, {norm: a[norm]}))
+        assert version == 3 and finish == ("length", 3)
+        # Its first k tokens came from B before the pause, the rest from B with A's norm,
+        # its KV recomputed: k is where it leaves B's own continuation (or earlier, if
+        # the new weights happen to agree for a while).
+        on_b = hf_greedy(folder, b, PROMPTS[1], LONG)
+        k0 = next((i for i, (x, y) in enumerate(zip(toks, on_b)) if x != y), len(toks))
+        mixed = {**b, norm: a[norm]}
+        assert 0 < k0 < len(toks) and any(
+            toks[k:] == hf_greedy(folder, mixed, PROMPTS[1] + toks[:k], len(toks) - k)
+            for k in range(k0, 0, -1))
     finally:
         teardown(s)
+
+
+async def _async_partial(endpoint: str, tensors: dict) -> tuple:
+    """Stream a request; once it has tokens, pause (keep), update, resume: it goes on and
+    ends once. Returns its tokens, the new version and its final (reason, version)."""
+    client = AsyncClient(endpoint, timeout_s=60)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    first = asyncio.Event()
+    deltas: list = []
+
+    async def consume() -> None:
+        async for d in client.stream(PROMPTS[1], params):
+            deltas.append(d)
+            first.set()
+
+    try:
+        task = asyncio.create_task(consume())
+        await first.wait()
+        await client.pause_generation(mode="keep")
+        version = await client.update_weights(tensors, weight_version=3)
+        await client.resume_generation()
+        await task
+    finally:
+        client.close()
+    ends = [(d.finish_reason, d.weight_version) for d in deltas if d.finish_reason]
+    assert len(ends) == 1
+    return [t for d in deltas for t in d.token_ids], version, ends[0]
 
 
 def test_update_refusal_partial_and_pause_modes(ckpts):
