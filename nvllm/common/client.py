@@ -29,11 +29,10 @@ from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.trace import Tracer
 from nvllm.common.weight_transfer import (
     DEFAULT_CHUNK_BYTES,
-    INLINE_CHUNK_BYTES,
     NamedTensors,
     WeightUpdateError,
+    client_transfer,
     push_weights,
-    same_host,
 )
 from nvllm.common.zmq_utils import curve_client
 
@@ -262,15 +261,14 @@ class Client:
         """LLM.update_weights over the socket: the tensors go through shared memory this
         process creates (`shared_memory`, default: when the endpoint is on this host),
         else inline in the frames; returns the weight_version now in force."""
-        shm = same_host(self.endpoint) if shared_memory is None else shared_memory
+        shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
 
         def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
             self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs),
                           cp.WeightsStaged)
 
         try:
-            push_weights(named_tensors, send,
-                         chunk_bytes if shm else min(chunk_bytes, INLINE_CHUNK_BYTES), shm)
+            push_weights(named_tensors, send, chunk_bytes, shm)
         except BaseException:
             self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
             raise
@@ -478,7 +476,7 @@ class AsyncClient:
                              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                              shared_memory: bool | None = None) -> int | str:
         """As Client.update_weights; the ring writes run on a thread, off the loop."""
-        shm = same_host(self.endpoint) if shared_memory is None else shared_memory
+        shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
         loop = asyncio.get_running_loop()
 
         def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
@@ -486,9 +484,7 @@ class AsyncClient:
                 chunk=k, names=names, dtypes=dtypes, refs=refs)), loop).result()
 
         try:
-            await asyncio.to_thread(
-                push_weights, named_tensors, send,
-                chunk_bytes if shm else min(chunk_bytes, INLINE_CHUNK_BYTES), shm)
+            await asyncio.to_thread(push_weights, named_tensors, send, chunk_bytes, shm)
         except BaseException:
             await self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
             raise

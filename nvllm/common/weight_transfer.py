@@ -47,6 +47,14 @@ def same_host(endpoint: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def client_transfer(endpoint: str, shared_memory: bool | None, chunk_bytes: int
+                    ) -> tuple[bool, int]:
+    """A client's (shared memory?, chunk bytes): shared memory by default when the leader
+    is on this host; inline chunks stay under the server's frame limit."""
+    shm = same_host(endpoint) if shared_memory is None else shared_memory
+    return shm, chunk_bytes if shm else min(chunk_bytes, INLINE_CHUNK_BYTES)
+
+
 def check_weight_version(version: Any) -> int | str | None:
     """vLLM's ``weight_version``: an int or a short string (or None: count updates)."""
     if version is None or (isinstance(version, int) and not isinstance(version, bool)):

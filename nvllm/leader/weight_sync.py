@@ -129,6 +129,10 @@ class WeightSync:
     def begin_weight_update(self: LLMEngine) -> int:
         """Start an update (aborting one left unfinished); returns its id."""
         running = len(self.scheduler.running)
+        if not running and self._inflight:
+            # An idle engine's last plan (sequences that ended meanwhile): its result
+            # streams nothing, but must be taken before the workers see weight messages.
+            self._drain(EngineOutput())
         if self._inflight or (running and self._pause_mode != "keep"):
             raise RuntimeError(
                 f"cannot update weights while {running} request(s) are running: call "
