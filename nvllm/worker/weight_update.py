@@ -115,10 +115,21 @@ class WeightUpdater:
                     "restart on the new checkpoint, or serve with quantization off")
             staged = self.staged.get(pname)
             if staged is None:
-                staged = self.staged[pname] = self._current(pname, param)
+                # A loader without a shard id writes the whole (local) parameter: no need
+                # to start from its current values, as a fused one's part must.
+                staged = self.staged[pname] = self._current(pname, param) \
+                    if shard_id is not None else torch.empty(self._shape(pname, param),
+                                                             dtype=param.dtype)
             loader = getattr(param, "weight_loader", _default_loader)
             with torch.no_grad():
                 loader(staged, src, shard_id)
+
+    def _shape(self, pname: str, param: nn.Parameter) -> torch.Size:
+        """The parameter's shape as the model uses it (a packed weight's, if packed)."""
+        packed = getattr(self.model.get_submodule(pname.rsplit(".", 1)[0]), "packed", None)
+        if param.numel() == 0 and isinstance(packed, torch.Tensor):
+            return packed.shape
+        return param.shape
 
     def _current(self, pname: str, param: nn.Parameter) -> torch.Tensor:
         """A dense copy of what the parameter holds now (the packed weight unpacked)."""
