@@ -20,6 +20,7 @@ from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
 from nvllm.common.proc import DeferredInterrupt
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.weight_transfer import DEFAULT_CHUNK_BYTES, NamedTensors
 from nvllm.launch.engine_builder import build_engine
 from nvllm.launch.real_model import resolve_model_spec
 from nvllm.leader.engine import LLMEngine
@@ -72,11 +73,10 @@ class LLM:
         ...) gets an output with ``finish_reason == "error"`` and ``error`` saying why;
         the other prompts are generated as usual.
         """
-        if self.engine is not None and self.engine.served_by is not None:
-            raise RuntimeError(
-                f"this LLM's engine is served at {self.engine.served_by}: the server's "
-                "thread steps it, so send requests through "
-                f"nvllm.Client({self.engine.served_by!r}) instead of LLM.generate")
+        self._check_owned("LLM.generate")
+        if self.engine.is_paused:
+            raise RuntimeError("generation is paused (pause_generation): call "
+                               "resume_generation() first")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -168,6 +168,51 @@ class LLM:
         for out, text in zip(outs, texts):
             out.prompt = text  # vLLM's: the rendered prompt
         return outs
+
+    # ---- RL: weight updates, pause and resume (nvllm/leader/weight_sync.py) ----------
+
+    def update_weights(self, named_tensors: NamedTensors,
+                       weight_version: int | str | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int | str:
+        """Load new weights from a trainer, as vLLM's: `named_tensors` maps HF checkpoint
+        names to full CPU tensors (a dict or an iterable of pairs; a subset is fine). They
+        travel in chunks of at most `chunk_bytes` through shared memory; every rank slices
+        its own shard and nothing changes until every rank staged everything, so a wrong
+        name or shape (WeightUpdateError) leaves the old weights in force. Drops the
+        prefix cache; every output afterwards carries the returned ``weight_version``
+        (`weight_version`, or the count of updates)."""
+        self._check_owned("LLM.update_weights")
+        return self.engine.update_weights(named_tensors, weight_version, chunk_bytes)
+
+    @property
+    def weight_version(self) -> int | str | None:
+        return self.engine.weight_version
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True
+                         ) -> list[RequestOutput]:
+        """vLLM's pause (LLMEngine.pause_generation): ``abort``, ``wait`` (steps the
+        engine here until the running requests finished) or ``keep``; returns the
+        requests that ended meanwhile."""
+        self._check_owned("LLM.pause_generation")
+        out = self.engine.pause_generation(mode, clear_cache)
+        finished = list(out.finished)
+        while not self.engine.pause_complete:
+            finished += self.engine.step().finished
+        self.engine.settle_pause()
+        return finished
+
+    def resume_generation(self) -> None:
+        self._check_owned("LLM.resume_generation")
+        self.engine.resume_generation()
+
+    def _check_owned(self, what: str) -> None:
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down")
+        if self.engine.served_by is not None:
+            raise RuntimeError(
+                f"this LLM's engine is served at {self.engine.served_by}: the server's "
+                f"thread steps it, so use nvllm.Client({self.engine.served_by!r}) instead "
+                f"of {what}")
 
     def shutdown(self) -> None:
         """Stop the workers (also done when the LLM is garbage-collected or at exit)."""

@@ -27,6 +27,13 @@ from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.trace import Tracer
+from nvllm.common.weight_transfer import (
+    DEFAULT_CHUNK_BYTES,
+    NamedTensors,
+    WeightUpdateError,
+    client_transfer,
+    push_weights,
+)
 from nvllm.common.zmq_utils import curve_client
 
 PING_INTERVAL_S = 1.0
@@ -53,6 +60,8 @@ class ClientError(NvllmError):
 def _raise_for(msg: cp.Error) -> None:
     if msg.code == "rejected":
         raise RequestRejected(msg.message)
+    if msg.code == "weights_refused":
+        raise WeightUpdateError(msg.message)
     if msg.code == "engine_unavailable":
         raise EngineDeadError(msg.message)
     raise ClientError(msg.code, msg.message, msg.id)
@@ -239,6 +248,36 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         self._send(cp.encode(cp.Abort(request_id)))
+
+    # ---- RL: vLLM's pause_generation, resume_generation, update_weights -------------
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Returns once paused (for "wait": once the running requests finished)."""
+        self._request(cp.PauseGeneration(mode=mode, clear_cache=clear_cache), cp.Paused)
+
+    def resume_generation(self) -> None:
+        self._request(cp.ResumeGeneration(), cp.Resumed)
+
+    def update_weights(self, named_tensors: NamedTensors,
+                       weight_version: int | str | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       shared_memory: bool | None = None) -> int | str:
+        """LLM.update_weights over the socket: the tensors go through shared memory this
+        process creates (`shared_memory`, default: when the endpoint is on this host),
+        else inline in the frames; returns the weight_version now in force."""
+        shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
+
+        def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
+            self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs),
+                          cp.WeightsStaged)
+
+        try:
+            push_weights(named_tensors, send, chunk_bytes, shm)
+        except BaseException:
+            self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
+            raise
+        return self._request(cp.WeightsCommit(weight_version=weight_version),
+                             cp.WeightsCommitted)["weight_version"]
 
     def close(self) -> None:
         self._sock.disable_monitor()
@@ -429,6 +468,34 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         await self._send(cp.encode(cp.Abort(request_id)))
+
+    # ---- RL: as Client's ----------------------------------------------------------------
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self._request(cp.PauseGeneration(mode=mode, clear_cache=clear_cache))
+
+    async def resume_generation(self) -> None:
+        await self._request(cp.ResumeGeneration())
+
+    async def update_weights(self, named_tensors: NamedTensors,
+                             weight_version: int | str | None = None,
+                             chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                             shared_memory: bool | None = None) -> int | str:
+        """As Client.update_weights; the ring writes run on a thread, off the loop."""
+        shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
+        loop = asyncio.get_running_loop()
+
+        def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
+            asyncio.run_coroutine_threadsafe(self._request(cp.WeightsChunk(
+                chunk=k, names=names, dtypes=dtypes, refs=refs)), loop).result()
+
+        try:
+            await asyncio.to_thread(push_weights, named_tensors, send, chunk_bytes, shm)
+        except BaseException:
+            await self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
+            raise
+        return (await self._request(cp.WeightsCommit(weight_version=weight_version))
+                )["weight_version"]
 
     def close(self) -> None:
         for t in self._tasks:

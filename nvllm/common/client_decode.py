@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from nvllm.common import client_protocol as cp
+from nvllm.common import weight_transfer as wt
 from nvllm.common.client_limits import (
     INT64_MAX,
     INT64_MIN,
@@ -32,6 +33,7 @@ from nvllm.common.field_errors import FieldError, field_error
 from nvllm.common.request_checks import prompt_length_error
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.structured_outputs import KINDS
+from nvllm.common.transport import ArrayRef, BadRef
 
 
 def _bounded_str(limit: int) -> Any:
@@ -98,8 +100,38 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
 
     plain = tuple(msgspec.defstruct(c.__name__, [("v", Literal[1], 1)], tag_field="op",
                                     tag=c.OP) for c in (cp.InfoRequest, cp.HealthRequest,
-                                                        cp.MetricsRequest, cp.Ping))
-    return Submit | Abort | plain[0] | plain[1] | plain[2] | plain[3], Submit  # type: ignore[return-value]
+                                                        cp.MetricsRequest, cp.Ping,
+                                                        cp.ResumeGeneration, cp.WeightsAbort))
+    union = Submit | Abort | plain[0] | plain[1] | plain[2] | plain[3] | plain[4] | plain[5]
+    for extra in _weight_types():
+        union = union | extra
+    return union, Submit  # type: ignore[return-value]
+
+
+@functools.cache
+def _weight_types() -> tuple[type, ...]:
+    """pause and the weight-update messages: every list, name and count bounded."""
+    many = Meta(max_length=wt.MAX_TENSORS_PER_CHUNK)
+    name = Annotated[str, Meta(min_length=1, max_length=wt.MAX_WEIGHT_NAME_CHARS)]
+
+    class PauseGeneration(msgspec.Struct, tag_field="op", tag="pause"):
+        mode: Literal["abort", "wait", "keep"] = "abort"
+        clear_cache: bool = True
+        v: Literal[1] = 1
+
+    class WeightsChunk(msgspec.Struct, tag_field="op", tag="weights_chunk"):
+        chunk: Annotated[int, Meta(ge=0, le=INT64_MAX)]
+        names: Annotated[list[name], many]  # type: ignore[valid-type]
+        dtypes: Annotated[list[Literal["float32", "float16", "bfloat16"]], many]
+        refs: Annotated[list[Annotated[list[Any], Meta(max_length=6)]], many]
+        v: Literal[1] = 1
+
+    class WeightsCommit(msgspec.Struct, tag_field="op", tag="weights_commit"):
+        weight_version: Int64 | Annotated[str, Meta(
+            max_length=wt.WEIGHT_VERSION_MAX_CHARS)] | None = None
+        v: Literal[1] = 1
+
+    return PauseGeneration, WeightsChunk, WeightsCommit
 
 
 class _Envelope(msgspec.Struct):
@@ -134,7 +166,41 @@ def decode_client_frame(payload: bytes,
     if isinstance(frame, submit_type):
         return _submit(frame, lim)
     cls = _BY_OP[type(frame).__struct_config__.tag]
-    return cls(frame.id) if cls is cp.Abort else cls()
+    if cls is cp.Abort:
+        return cls(frame.id)
+    if cls is cp.PauseGeneration:
+        return cls(mode=frame.mode, clear_cache=frame.clear_cache)
+    if cls is cp.WeightsCommit:
+        return cls(weight_version=frame.weight_version)
+    if cls is cp.WeightsChunk:
+        return _weights_chunk(frame)
+    return cls()
+
+
+def _weights_chunk(frame: Any) -> cp.WeightsChunk:
+    """A chunk's refs: one per name and dtype, each a well-formed ArrayRef of the
+    dtype's wire type, at most MAX_CHUNK_BYTES in all."""
+    def bad(message: str) -> cp.ClientProtocolError:
+        return cp.ClientProtocolError("invalid_request", message)
+
+    if not len(frame.names) == len(frame.dtypes) == len(frame.refs):
+        raise bad("weights_chunk: `names`, `dtypes` and `refs` must have one entry each per "
+                  "tensor")
+    total = 0
+    for i, (dtype, ref) in enumerate(zip(frame.dtypes, frame.refs)):
+        try:
+            r = ArrayRef.decode(ref)
+        except BadRef as e:
+            raise bad(f"weights_chunk: refs.{i}: {e}") from None
+        if r.dtype != wt.WIRE_DTYPES[dtype]:
+            raise bad(f"weights_chunk: refs.{i}: a {dtype} tensor travels as "
+                      f"{wt.WIRE_DTYPES[dtype]}, not {r.dtype}")
+        total += r.nbytes
+        if total > wt.MAX_CHUNK_BYTES:
+            raise bad(f"weights_chunk: over {wt.MAX_CHUNK_BYTES} bytes of tensors in one "
+                      "chunk: send smaller chunks")
+    return cp.WeightsChunk(chunk=frame.chunk, names=list(frame.names),
+                           dtypes=list(frame.dtypes), refs=[list(r) for r in frame.refs])
 
 
 def _unreadable(e: Exception, payload: bytes) -> cp.ClientProtocolError:

@@ -80,6 +80,41 @@ class Ping(ClientMessage, tag="ping"):
     OP: ClassVar[str] = "ping"
 
 
+# Serving RL rollouts (nvllm/leader/weight_sync.py): vLLM's pause_generation,
+# resume_generation and update_weights. Each is answered by the message of the same op.
+
+
+class PauseGeneration(ClientMessage, tag="pause"):
+    mode: str = "abort"  # "abort" | "wait" | "keep"
+    clear_cache: bool = True
+    OP: ClassVar[str] = "pause"
+
+
+class ResumeGeneration(ClientMessage, tag="resume"):
+    OP: ClassVar[str] = "resume"
+
+
+class WeightsChunk(ClientMessage, tag="weights_chunk"):
+    """One chunk of a weight update (chunk 0 starts one): HF names, torch dtype names and
+    ArrayRefs (nvllm/common/transport/refs.py) into shared memory the client created (or
+    inline bytes), which the leader forwards to every worker."""
+
+    chunk: int
+    names: list[str]
+    dtypes: list[str]
+    refs: list[list]
+    OP: ClassVar[str] = "weights_chunk"
+
+
+class WeightsCommit(ClientMessage, tag="weights_commit"):
+    weight_version: int | str | None = None
+    OP: ClassVar[str] = "weights_commit"
+
+
+class WeightsAbort(ClientMessage, tag="weights_abort"):
+    OP: ClassVar[str] = "weights_abort"
+
+
 # ---- leader -> client ------------------------------------------------------------------
 
 
@@ -101,17 +136,20 @@ class Output(ServerMessage, tag="output"):
     usage: dict[str, int] | None = None
     # Only on each completion's first message when the request asked (CompletionDelta).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The weights in force when it was made (set by update_weights; absent: never updated).
+    weight_version: int | str | None = None
     OP: ClassVar[str] = "output"
 
     @classmethod
     def of(cls, delta: CompletionDelta, client_id: RequestId) -> Output:
         return cls(client_id, delta.index, delta.token_ids, delta.text, delta.logprobs,
-                   delta.finish_reason, delta.usage, delta.prompt_logprobs)
+                   delta.finish_reason, delta.usage, delta.prompt_logprobs,
+                   delta.weight_version)
 
     def to_delta(self) -> CompletionDelta:
         return CompletionDelta(str(self.id), self.index, self.token_ids, self.text,
                                self.logprobs, self.finish_reason, self.usage,
-                               self.prompt_logprobs)
+                               self.prompt_logprobs, self.weight_version)
 
 
 class Error(ServerMessage, tag="error", omit_defaults=False):
@@ -149,10 +187,40 @@ class Pong(ServerMessage, tag="pong"):
     OP: ClassVar[str] = "pong"
 
 
+class Paused(ServerMessage, tag="pause", omit_defaults=False):
+    """Generation is paused and settled (for "wait": the running requests finished)."""
+
+    mode: str
+    OP: ClassVar[str] = "pause"
+
+
+class Resumed(ServerMessage, tag="resume"):
+    OP: ClassVar[str] = "resume"
+
+
+class WeightsStaged(ServerMessage, tag="weights_chunk", omit_defaults=False):
+    """Every worker staged the chunk and stopped reading its memory: reuse it."""
+
+    chunk: int
+    OP: ClassVar[str] = "weights_chunk"
+
+
+class WeightsCommitted(ServerMessage, tag="weights_commit", omit_defaults=False):
+    weight_version: int | str
+    OP: ClassVar[str] = "weights_commit"
+
+
+class WeightsAborted(ServerMessage, tag="weights_abort"):
+    OP: ClassVar[str] = "weights_abort"
+
+
 CLIENT_MESSAGES: tuple[type, ...] = (Submit, Abort, InfoRequest, HealthRequest,
-                                     MetricsRequest, Ping)
-SERVER_MESSAGES: tuple[type, ...] = (Output, Error, Info, Health, Metrics, Pong)
-ServerFrame = Output | Error | Info | Health | Metrics | Pong
+                                     MetricsRequest, Ping, PauseGeneration, ResumeGeneration,
+                                     WeightsChunk, WeightsCommit, WeightsAbort)
+SERVER_MESSAGES: tuple[type, ...] = (Output, Error, Info, Health, Metrics, Pong, Paused,
+                                     Resumed, WeightsStaged, WeightsCommitted, WeightsAborted)
+ServerFrame = (Output | Error | Info | Health | Metrics | Pong | Paused | Resumed
+               | WeightsStaged | WeightsCommitted | WeightsAborted)
 
 
 # ---- encoding --------------------------------------------------------------------------

@@ -19,6 +19,10 @@ class CompletionOutput:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error"
     logprobs: list | None = None  # per token: {token_id: logprob} (sampled + top-N)
+    # The weights it was generated with (vLLM's weight_version: set by update_weights;
+    # None: the checkpoint's, never updated). A request kept across an update carries
+    # the version in force when it finished.
+    weight_version: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -37,6 +41,7 @@ class RequestOutput:
     # {token_id: logprob} (the prompt token's and the top-k); None when not asked, or when
     # the request ended (abort, timeout, error) before its whole prompt was scored.
     prompt_logprobs: list | None = None
+    weight_version: int | str | None = None  # see CompletionOutput
 
     @property
     def token_ids(self) -> list[int]:
@@ -73,6 +78,7 @@ class CompletionDelta:
     finish_reason: str | None = None
     usage: dict | None = None
     prompt_logprobs: list | None = None  # on a completion's first delta: see above
+    weight_version: int | str | None = None  # the weights in force when it was made
 
 
 @dataclass(slots=True)
@@ -86,8 +92,10 @@ class CompletionAccumulator:
     finish_reason: str | None = None
     usage: dict | None = None
     prompt_logprobs: list | None = None
+    weight_version: int | str | None = None
 
     def add(self, d: CompletionDelta) -> None:
+        self.weight_version = d.weight_version
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
         self.token_ids.extend(d.token_ids)
@@ -106,11 +114,11 @@ class CompletionAccumulator:
         """Everything as one delta (a non-streaming reply)."""
         return CompletionDelta(request_id, self.index, self.token_ids, self.text,
                                self.logprobs or None, self.finish_reason, self.usage,
-                               self.prompt_logprobs)
+                               self.prompt_logprobs, self.weight_version)
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.token_ids, self.text, self.finish_reason,
-                                self.logprobs or None)
+                                self.logprobs or None, self.weight_version)
 
 
 class RequestAccumulator:
@@ -135,4 +143,5 @@ class RequestAccumulator:
                              [c.to_output() for c in self.completions], finished=True,
                              num_cached_tokens=usage.get("cached_tokens", 0),
                              prompt_logprobs=next((c.prompt_logprobs for c in self.completions
-                                                   if c.prompt_logprobs is not None), None))
+                                                   if c.prompt_logprobs is not None), None),
+                             weight_version=self.completions[0].weight_version)

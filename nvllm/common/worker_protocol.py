@@ -242,6 +242,49 @@ class LoadGrammars(Struct, array_like=True, forbid_unknown_fields=True, tag=4):
     KIND: ClassVar[int] = 4
 
 
+class WeightChunk(Struct, array_like=True, forbid_unknown_fields=True, tag=5):
+    """One chunk of a weight update (update_weights): HF-named full tensors, each as an
+    ArrayRef's list form (a region of a shared-memory segment the sender owns, or inline
+    bytes) and its torch dtype name (bfloat16 travels as uint16). Every rank slices its
+    own shard out and stages it; nothing is applied before CommitWeights. Every rank
+    answers with a WeightsAck once it no longer reads the chunk's memory."""
+
+    update_id: NonNeg
+    chunk: NonNeg  # ordinal within the update, from 0
+    names: list[str]
+    dtypes: list[str]
+    refs: list[list]
+    KIND: ClassVar[int] = 5
+
+
+class CommitWeights(Struct, array_like=True, forbid_unknown_fields=True, tag=6):
+    """Apply what every rank staged for `update_id` (sent only once all of them staged
+    every chunk without error); each rank answers with a WeightsAck."""
+
+    update_id: NonNeg
+    KIND: ClassVar[int] = 6
+
+
+class AbortWeights(Struct, array_like=True, forbid_unknown_fields=True, tag=7):
+    """Drop what was staged for `update_id`: the old weights stay (no answer)."""
+
+    update_id: NonNeg
+    KIND: ClassVar[int] = 7
+
+
+class WeightsAck(Struct, array_like=True, forbid_unknown_fields=True, tag=13):
+    """A rank's answer to a WeightChunk (`chunk` its ordinal) or a CommitWeights (`chunk`
+    -1): `error` empty when it staged (or applied) everything, else why it refused; a
+    refusal leaves the rank's weights and the engine as they were."""
+
+    rank: Rank
+    update_id: NonNeg
+    chunk: int
+    error: str = ""
+    staged_bytes: NonNeg = 0  # this rank's staging memory so far
+    KIND: ClassVar[int] = 13
+
+
 class WorkerReady(Struct, array_like=True, forbid_unknown_fields=True, tag=10):
     """Sent by every rank after loading weights (num_blocks: what fits in its budget;
     load_s and peak_rss_mib: how long loading took and the process's peak memory), and
@@ -298,14 +341,15 @@ class WorkerError(Struct, array_like=True, forbid_unknown_fields=True, tag=12):
 
 
 MESSAGES: dict[int, type] = {
-    c.KIND: c for c in (StepPlan, InitKVCache, LoadGrammars, Shutdown, WorkerReady, StepResult,
-                        WorkerError)
+    c.KIND: c for c in (StepPlan, InitKVCache, LoadGrammars, WeightChunk, CommitWeights,
+                        AbortWeights, Shutdown, WorkerReady, StepResult, WorkerError,
+                        WeightsAck)
 }
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(
-    StepPlan | InitKVCache | LoadGrammars | Shutdown | WorkerReady | StepResult
-    | WorkerError)
+    StepPlan | InitKVCache | LoadGrammars | WeightChunk | CommitWeights | AbortWeights
+    | Shutdown | WorkerReady | StepResult | WorkerError | WeightsAck)
 
 
 def encode(msg: Any) -> bytes:

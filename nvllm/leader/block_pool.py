@@ -140,6 +140,16 @@ class BlockPool:
         block.tokens = None
         block.entry_id = block.parent_entry_id = 0
 
+    def drop_all_cached(self) -> int:
+        """Forget every cached prefix, blocks in use included (their holders keep them,
+        uncached); returns how many entries were dropped."""
+        n = len(self._cached)
+        for block in list(self._cached.values()):
+            self._evict(block)
+        self._free_uncached.extend(self._free_cached)
+        self._free_cached.clear()
+        return n
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
         if self.num_free_blocks != self.num_blocks:

@@ -45,6 +45,7 @@ from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
 from nvllm.leader.spec_gate import SpecGate
+from nvllm.leader.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class InFlight:
     generation: int = 0  # of the plan's arrays in the transport ring (0: none)
 
 
-class LLMEngine:
+class LLMEngine(WeightSync):
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any) -> None:
         assert config.model_info is not None, "EngineConfig.finalize() first"
         self.config = config
@@ -135,6 +136,7 @@ class LLMEngine:
         # scheduler and reading each other's results.
         self.served_by: str | None = None
         self._step_lock = threading.Lock()
+        self._init_weight_sync()  # pause/resume, weight updates (leader/weight_sync.py)
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -267,7 +269,8 @@ class LLMEngine:
                     # their CPU K/V copies included, now rather than at the next request.)
                     self._send(sched)
                 elif not self._inflight:
-                    if self.scheduler.num_unfinished and not out.deltas and not sched.preempted:
+                    if self.scheduler.num_unfinished and not out.deltas and not sched.preempted \
+                            and self.scheduler.paused is None:
                         raise RuntimeError("scheduler made no progress with requests pending")
                     return out
                 keep = depth if sched.scheduled else 0  # nothing new: drain
@@ -404,6 +407,7 @@ class LLMEngine:
         self._inflight.clear()  # their tokens died with the workers
         self.scheduler.requeue_all()
         self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds
+        self._forget_weight_updates()  # the new group loaded the checkpoint
         self.metrics.worker_restarts.inc()
         for rid in suspects:
             logger.error("request %s was on the workers through %d worker-group deaths in "

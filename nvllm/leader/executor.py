@@ -144,6 +144,41 @@ class Executor:
             return "malformed draft tokens"
         return None
 
+    # ---- weight updates ---------------------------------------------------------------
+
+    def stage_weights(self, update_id: int, chunk: int, names: list[str], dtypes: list[str],
+                      refs: list[list]) -> str | None:
+        """Send one chunk of a weight update to every rank and wait until each has staged
+        it (and stopped reading its memory); None, or the first rank's refusal."""
+        self.workers.broadcast(worker_protocol.WeightChunk(update_id, chunk, names, dtypes,
+                                                           refs))
+        return self._weight_acks(update_id, chunk)
+
+    def commit_weights(self, update_id: int) -> str | None:
+        """Every rank staged the whole update: apply it everywhere."""
+        self.workers.broadcast(worker_protocol.CommitWeights(update_id))
+        return self._weight_acks(update_id, -1)
+
+    def abort_weights(self, update_id: int) -> None:
+        """Every rank drops what it staged; the old weights stay."""
+        if self.workers.dead is None:
+            self.workers.broadcast(worker_protocol.AbortWeights(update_id))
+
+    def _weight_acks(self, update_id: int, chunk: int) -> str | None:
+        errors: dict[int, str] = {}
+        answered: set[int] = set()
+        while len(answered) < self.workers.num_workers:
+            msg = self.workers.recv(self.config.step_timeout_s)
+            if isinstance(msg, worker_protocol.WeightsAck) and msg.update_id == update_id \
+                    and msg.chunk == chunk:
+                answered.add(msg.rank)
+                if msg.error:
+                    errors[msg.rank] = msg.error
+            else:
+                logger.warning("ignoring %s while waiting for weight update %d",
+                               type(msg).__name__, update_id)
+        return None if not errors else f"rank {min(errors)}: {errors[min(errors)]}"
+
     # ---- failures -------------------------------------------------------------------
 
     def check_alive(self) -> str | None:

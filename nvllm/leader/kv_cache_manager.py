@@ -23,6 +23,7 @@ pool hands it out again, which evicts it first, so a hit never serves overwritte
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nvllm.common.utils import cdiv
@@ -165,7 +166,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.blocks.stale:
             return
         bs = self.block_size
         blocks = seq.blocks
@@ -193,6 +194,15 @@ class KVCacheManager:
                 blocks.chain.append(self.pool.register(blocks.table[i], h, tokens, parent))
             blocks.num_cached += 1
 
+    def drop_prefix_cache(self, held: Iterable[Sequence] = ()) -> int:
+        """The weights changed: forget every cached prefix, in use or not, so no hit ever
+        serves KV computed on the old weights; `held` sequences keep their blocks (and the
+        old KV in them) but never enter the cache again. Returns the entries dropped."""
+        dropped = self.pool.drop_all_cached()
+        for seq in held:
+            seq.blocks.stale = True
+        return dropped
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks tail-first, so its prefix outlives its suffix. Its
         computed count is the scheduler's to zero (nothing of it is cached any more)."""
@@ -203,3 +213,4 @@ class KVCacheManager:
         blocks.num_freed = 0
         blocks.chain.clear()
         blocks.num_cached = 0
+        blocks.stale = False  # recomputed from its tokens if it comes back

@@ -60,6 +60,8 @@ class OutputProcessor:
         self.decode = None if tokenizer is None else fast_decoder(tokenizer)
         self.metrics = metrics
         self.requests: dict[str, Request] = {}
+        # Stamped on every delta and output from now on (the engine's update_weights).
+        self.weight_version: int | str | None = None
 
     def add_request(self, req: Request) -> None:
         p = req.params
@@ -182,6 +184,7 @@ class OutputProcessor:
     def _emit(self, req: Request, d: CompletionDelta, out: EngineOutput) -> None:
         """Send `d`, or hold it while the prompt is being scored; a completion's first
         delta out carries the prompt logprobs."""
+        d.weight_version = self.weight_version
         if req.prompt_logprobs is not None:
             if not req.prompt_scored:
                 req.held.append(d)
@@ -204,9 +207,9 @@ class OutputProcessor:
         outs = [CompletionOutput(s.index, s.token_ids[s.num_prompt_tokens:
                                                       req.final_lens.get(s.index, None)],
                                  "" if d is None else d.text, req.finish_reasons[s.index],
-                                 req.logprobs[s.index])
+                                 req.logprobs[s.index], self.weight_version)
                 for s, d in zip(req.seqs, req.detoks)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
                              finished=True, num_cached_tokens=req.num_cached_tokens,
                              prompt_logprobs=req.prompt_logprobs if req.prompt_scored
-                             else None)
+                             else None, weight_version=self.weight_version)

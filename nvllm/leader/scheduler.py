@@ -112,6 +112,9 @@ class Scheduler:
         # completed a step since (see admission): at most one at a time.
         self._quarantined: set[int] = set()
         self.proposer = proposer
+        # pause_generation: "wait" runs the running sequences but admits none; "keep"
+        # schedules nothing (they stay held); None: normal.
+        self.paused: str | None = None
         self.spec_stats = SpecStats()
         if proposer is not None:
             self.spec_stats.accepted_per_pos = [0] * proposer.k
@@ -148,6 +151,8 @@ class Scheduler:
 
     def _schedule(self, propose: bool, ask_drafts: bool = True) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.paused == "keep":
+            return out
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         drafts = self._propose() if propose else {}
@@ -203,6 +208,8 @@ class Scheduler:
         plan_bytes = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
+            if self.paused is not None and not seq.num_preemptions:
+                break  # paused ("wait"): only sequences that were running go on
             if seq.num_pending:  # preempted with a token in flight: resume once it lands
                 break
             # The plan carries a new sequence whole: bound the plan (far below the workers'
@@ -403,6 +410,14 @@ class Scheduler:
                 if seq.deaths_in_flight >= limit:
                     suspects.add(seq.request_id)
         return suspects
+
+    def recompute_running(self) -> None:
+        """The weights changed under held sequences (a keep-mode pause): each goes back to
+        waiting, to be recomputed from its tokens so far on the new weights, keeping its
+        place in line; the workers drop what they hold of it with the next plan."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running.clear()
 
     def requeue_all(self) -> None:
         """The workers (and the KV cache) were replaced: every running sequence goes back

@@ -23,3 +23,6 @@ class SeqBlocks:
     num_cached: int = 0
     # Leading table slots given back to the pool, behind a sliding window (FREED).
     num_freed: int = 0
+    # Its KV was computed (in part) on weights since replaced (a request kept across a
+    # weight update without recompute): none of its blocks may enter the prefix cache.
+    stale: bool = False

@@ -32,6 +32,8 @@ from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
 from nvllm.leader.engine import LLMEngine
 from nvllm.leader.grammar import GrammarError
 from nvllm.leader.output_processor import EngineOutput
+from nvllm.leader.rollout_control import MESSAGES as ROLLOUT_MESSAGES
+from nvllm.leader.rollout_control import RolloutControl
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,8 @@ class EngineServer:
         self._cancelled: Any = None  # serve() sets it: a step waits no longer than this says
         self._abandoned = False  # shutdown gave up on a step in flight
         self._trace = trace.tracer("leader")  # None unless $NVLLM_TRACE is set
+        # pause/resume and weight updates from clients (nvllm/leader/rollout_control.py)
+        self.rollout = RolloutControl(self)
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -223,6 +227,10 @@ class EngineServer:
                 "shutting down" if self.draining else None)))
         if isinstance(msg, cp.MetricsRequest):
             return self._send(client, cp.Metrics(self.engine.metrics.exposition()))
+        if isinstance(msg, ROLLOUT_MESSAGES):
+            if self.dead is not None:
+                return self._error(client, None, "engine_unavailable", self.dead)
+            return self.rollout.handle(client, msg)
         raise AssertionError(f"unhandled client message {type(msg).__name__}")
 
     def _submit(self, client: bytes, msg: cp.Submit) -> None:
@@ -334,6 +342,7 @@ class EngineServer:
             return False
         self._last_sweep = now
         limit = self.engine.config.client_timeout_s
+        self.rollout.sweep(limit)
         for client, live in list(self._by_client.items()):
             if live and now - self._last_seen.get(client, now) > limit:
                 logger.warning("client silent for %.0f s: aborting its %d request(s)", limit,
@@ -395,7 +404,8 @@ class EngineServer:
     def _serve(self, stop: threading.Event, shutdown_timeout_s: float) -> None:
         batch_wait = self.engine.config.batch_timeout_ms / 1000.0
         while not stop.is_set():
-            busy = self.dead is None and self.engine.has_unfinished_requests()
+            busy = self.dead is None and self.engine.has_unfinished_requests() \
+                and not self.rollout.settled
             self._drain(0 if busy else 5 if self._tokenizing else IDLE_POLL_MS)
             self._admit_tokenized()
             if not busy and batch_wait and self.engine.has_unfinished_requests():
@@ -431,8 +441,9 @@ class EngineServer:
         if self.dead is not None:
             return
         try:
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_unfinished_requests() and not self.rollout.settled:
                 self._emit(self.engine.step(self._cancelled))
+                self.rollout.poll()
             elif swept:
                 # Idle: a worker death (or, with restart_workers, its recovery) must not
                 # wait for the next request; health answers the truth meanwhile.

@@ -74,12 +74,17 @@ def _tensor_sources(source: ModelSource):
 
 
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
-                 params: dict[str, nn.Parameter] | None = None) -> set[str]:
+                 params: dict[str, nn.Parameter] | None = None,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> set[str]:
     """Hand each (HF name, lazy source) to the weight_loader of the parameter it feeds;
-    returns the names of the parameters loaded."""
+    returns the names of the parameters loaded. `shapes`, when given, gets each tensor's
+    full shape (what a later weight update must match)."""
     params = dict(model.named_parameters()) if params is None else params
     loaded: set[str] = set()
     for hf_name, src in tensors:
+        if shapes is not None:
+            shapes[hf_name] = tuple(src.get_shape() if hasattr(src, "get_shape")
+                                    else src.shape)
         for name, shard_id in model.param_for(hf_name):
             param = params.get(name)
             if param is None:
@@ -94,10 +99,12 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]],
 
 
 def load_weights(model: nn.Module, source: ModelSource | str | Path,
-                 show_progress: bool = True) -> tuple[float, float]:
+                 show_progress: bool = True,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[float, float]:
     """Load ``source`` (a ModelSource, or a checkpoint folder / .gguf path) into
     ``model``, each parameter's weight_loader reading only its own shard; logs and
-    returns the seconds it took and the process's peak RSS (MiB) by its end."""
+    returns the seconds it took and the process's peak RSS (MiB) by its end. `shapes`:
+    as for load_tensors."""
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     t0 = time.perf_counter()
@@ -108,7 +115,7 @@ def load_weights(model: nn.Module, source: ModelSource | str | Path,
               disable=not show_progress) as bar:
         for _path, open_file in files:
             with open_file() as tensors:
-                loaded |= load_tensors(model, tensors, params)
+                loaded |= load_tensors(model, tensors, params, shapes)
             bar.update(1)
     missing = sorted(set(params) - loaded)
     if missing:

@@ -42,6 +42,7 @@ from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
 from nvllm.worker.thread_tuner import ThreadTuner
+from nvllm.worker.weight_update import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("nvllm.worker")
 
@@ -267,6 +268,11 @@ def run_worker(spec: dict) -> None:
                     worker_protocol.WorkerReady(rank, "kv", msg.num_blocks)))
             elif isinstance(msg, worker_protocol.LoadGrammars):
                 runner.load_grammars(msg)
+            elif isinstance(msg, (worker_protocol.WeightChunk, worker_protocol.CommitWeights,
+                                  worker_protocol.AbortWeights)):
+                ack = update_weights(runner.weights, msg, rank)
+                if ack is not None:
+                    result_sock.send(worker_protocol.encode(ack))
             elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:
@@ -306,6 +312,27 @@ def run_worker(spec: dict) -> None:
                 pass
         # Closes every socket (monitors included); a last error still gets 0.5 s to leave.
         ctx.destroy(linger=500)
+
+
+def update_weights(weights: WeightUpdater, msg, rank: int
+                   ) -> worker_protocol.WeightsAck | None:
+    """One weight-update message on this rank; the answer the leader waits for (a chunk
+    or a commit), with the refusal's reason when the rank refused (and staged nothing)."""
+    if isinstance(msg, worker_protocol.AbortWeights):
+        weights.abort(msg.update_id)
+        return None
+    commit = isinstance(msg, worker_protocol.CommitWeights)
+    try:
+        if commit:
+            weights.commit(msg.update_id)
+        else:
+            weights.stage(msg)
+    except WeightUpdateError as e:
+        logger.error("rank %d: weight update %d refused: %s", rank, msg.update_id, e)
+        return worker_protocol.WeightsAck(rank, msg.update_id, -1 if commit else msg.chunk,
+                                          str(e) or "refused")
+    return worker_protocol.WeightsAck(rank, msg.update_id, -1 if commit else msg.chunk,
+                                      "", weights.staged_bytes)
 
 
 def _curve_client(key_dir: str | None) -> Callable[[zmq.Socket], None]:

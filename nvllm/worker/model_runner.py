@@ -30,6 +30,7 @@ from nvllm.worker.rejection_sampler import RejectionSampler
 from nvllm.worker.sampler import Sampler, SampleRequest, logprob_entry
 from nvllm.worker.structured_output import StructuredOutputState
 from nvllm.worker.thread_tuner import ThreadTuner
+from nvllm.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class ModelRunner:
         self.quantized = quantize_model(self.model, config.source, config.quantization,
                                         device)
         # (seconds, peak RSS MiB): reported to the leader, which logs them
+        hf_shapes: dict[str, tuple[int, ...]] = {}
         self.load_stats = load_weights(self.model, config.source,
-                                       show_progress=tp.rank == 0)
+                                       show_progress=tp.rank == 0, shapes=hf_shapes)
         if self.quantized:
             share_tied_head(self.model)
         logger.info("rank %d holds %.1f MiB of weights (quantization=%s)", tp.rank,
@@ -82,6 +84,8 @@ class ModelRunner:
         self.model.eval()
         if device.type == "cpu" and config.cpu_onednn_linear:
             pack_for_cpu(self.model)
+        # Weight updates from a trainer (update_weights): staged, then applied on commit.
+        self.weights = WeightUpdater(self.model, hf_shapes, self.quantized)
         self.sampler = Sampler(config.seed) if tp.rank == 0 else None
         self.rejection = RejectionSampler(self.sampler) if tp.rank == 0 else None
         # Rank 0 samples, so it alone holds the grammars and matchers.

@@ -314,3 +314,44 @@ def test_hostile_values_are_never_echoed():
             decode_client_frame(frame)
         assert SECRET not in e.value.message and huge_key not in e.value.message
         assert len(e.value.message) < 300
+
+
+def _chunk(**kw) -> bytes:
+    msg = {"op": "weights_chunk", "v": 1, "chunk": 0, "names": ["model.norm.weight"],
+           "dtypes": ["bfloat16"], "refs": [[1, "uint16", [64], "nvllm-tr-7-0123456789ab",
+                                             0, 3]]}
+    return msgpack.packb({**msg, **kw})
+
+
+def test_rl_messages_round_trip():
+    for msg in (cp.PauseGeneration(mode="keep", clear_cache=False), cp.ResumeGeneration(),
+                cp.WeightsCommit(weight_version="step-3"), cp.WeightsCommit(weight_version=7),
+                cp.WeightsAbort()):
+        assert decode_client_frame(cp.encode(msg)) == msg
+    got = decode_client_frame(_chunk())
+    assert isinstance(got, cp.WeightsChunk) and got.refs[0][3] == "nvllm-tr-7-0123456789ab"
+    for msg in (cp.Paused("wait"), cp.Resumed(), cp.WeightsStaged(4),
+                cp.WeightsCommitted("v"), cp.WeightsAborted()):
+        assert cp.decode_server_frame(cp.encode(msg)) == msg
+    out = cp.decode_server_frame(cp.encode(cp.Output.of(
+        CompletionDelta("r", 0, [1], "a", weight_version=3), "r")))
+    assert out.to_delta().weight_version == 3
+
+
+@pytest.mark.parametrize("frame,words", [
+    (msgpack.packb({"op": "pause", "mode": "later"}), "mode"),
+    (_chunk(names=["x" * 257]), "names[0] has more than 256"),
+    (_chunk(names=["a"] * 4097, dtypes=["float32"] * 4097, refs=[[0, "float32", [0], b""]] * 4097),
+     "names has more than 4096"),
+    (_chunk(dtypes=["int8"]), "dtypes[0]"),
+    (_chunk(dtypes=["float32"]), "travels as float32, not uint16"),
+    (_chunk(names=["a", "b"]), "one entry each"),
+    (_chunk(refs=[[1, "uint16", [64], "/dev/shm/other", 0, 3]]), "not an nvllm transport buffer"),
+    (_chunk(refs=[[1, "uint16", [1 << 31, 4], "nvllm-tr-7-0123456789ab", 0, 3]]),
+     "over 4294967296 bytes"),
+    (msgpack.packb({"op": "weights_commit", "weight_version": "v" * 300}), "weight_version"),
+])
+def test_rl_messages_are_bounded_on_decode(frame, words):
+    with pytest.raises(cp.ClientProtocolError) as e:
+        decode_client_frame(frame)
+    assert e.value.code == "invalid_request" and words in e.value.message, e.value.message

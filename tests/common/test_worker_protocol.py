@@ -12,6 +12,8 @@ import pytest
 from nvllm.common.errors import ProtocolError
 from nvllm.common.worker_protocol import (
     MESSAGES,
+    AbortWeights,
+    CommitWeights,
     InitKVCache,
     LoadGrammars,
     NewSeq,
@@ -19,6 +21,8 @@ from nvllm.common.worker_protocol import (
     Shutdown,
     StepPlan,
     StepResult,
+    WeightChunk,
+    WeightsAck,
     WorkerError,
     WorkerReady,
     WorkerSampling,
@@ -67,6 +71,11 @@ ROUND_TRIP = [
                logprobs=[[-0.5, [[10, -0.5], [11, -1.25]]], None, [-3.0, []]],
                worker_time_s=1.0),
     WorkerError(rank=2, step_id=9, message="boom: ünïcode", traceback="Traceback ...\n  x"),
+    WeightChunk(update_id=3, chunk=0, names=["model.norm.weight"], dtypes=["bfloat16"],
+                refs=[[1, "uint16", [64], "nvllm-tr-12-0123456789ab", 128, 4]]),
+    CommitWeights(update_id=3),
+    AbortWeights(update_id=3),
+    WeightsAck(rank=1, update_id=3, chunk=-1, error="", staged_bytes=4096),
 ]
 
 
@@ -141,7 +150,7 @@ def test_rejects_valid_msgpack_not_a_message_list(obj):
     _rejects(msgpack.packb(obj, use_bin_type=True))
 
 
-@pytest.mark.parametrize("kind", [0, 5, 9, 13, 99, -1, 2**40])
+@pytest.mark.parametrize("kind", [0, 8, 9, 14, 99, -1, 2**40])
 def test_rejects_unknown_kind(kind):
     err = _rejects(_raw(kind))
     assert "kind" in str(err)

@@ -1,0 +1,173 @@
+"""Weight updates on one rank: stage every chunk, apply all at once on commit.
+
+A chunk (worker_protocol.WeightChunk) names HF tensors by ArrayRef. Each tensor is checked
+against the shape the checkpoint had (recorded at load), then handed to the parameter's
+own ``weight_loader`` (the loader's sharding: column/row ranges, heads by KV group, fused
+q/k/v and gate/up, experts) with a staging tensor in place of the parameter, so the rank
+copies out only its shard. Nothing the model holds changes before ``commit``: a refused
+chunk (an unknown name, a wrong shape, a quantized layer) drops the staging and the old
+weights stay. Staging holds, per parameter touched, one dense copy of this rank's shard
+(a fused parameter updated in part starts from its current values).
+
+``commit`` writes into what the layers actually hold: in place into dense parameters (a
+CUDA graph keeps its addresses), and a float32 CPU layer whose weight was repacked for
+oneDNN (layers/linear.py:pack_for_cpu, dense copy dropped) gets a freshly packed one.
+Layers held quantized refuse updates (the rule: a quantized layer is loaded from a
+checkpoint, never updated in place; restart the engine on the new checkpoint, or run
+with quantization off).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from nvllm.common.transport import ArrayReader, ArrayRef, BadRef
+from nvllm.common.weight_transfer import WIRE_DTYPES, WeightUpdateError
+from nvllm.common.worker_protocol import WeightChunk
+from nvllm.worker.loader import _default_loader
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}
+
+
+class WeightUpdater:
+    """One rank's staging area for weight updates (one update at a time)."""
+
+    def __init__(self, model: nn.Module, hf_shapes: dict[str, tuple[int, ...]],
+                 quantized: dict[str, str]) -> None:
+        """`hf_shapes`: every checkpoint tensor's full shape, by HF name (what an update
+        must match); `quantized`: the modules held quantized (refused)."""
+        self.model = model
+        self.hf_shapes = hf_shapes
+        self.quantized = quantized
+        self.params = dict(model.named_parameters())
+        self.update_id: int | None = None
+        self.next_chunk = 0
+        self.staged: dict[str, torch.Tensor] = {}
+        self.reader: ArrayReader | None = None
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.staged.values())
+
+    def stage(self, msg: WeightChunk) -> None:
+        """Slice this rank's shard of every tensor of `msg` into staging. Raises
+        WeightUpdateError (and drops everything staged) when any tensor is refused."""
+        try:
+            self._stage(msg)
+        except WeightUpdateError:
+            self.abort(msg.update_id)
+            raise
+        except (BadRef, ValueError, RuntimeError, KeyError) as e:
+            self.abort(msg.update_id)
+            raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
+
+    def _stage(self, msg: WeightChunk) -> None:
+        if msg.chunk == 0:
+            self.abort(self.update_id)  # an older update never committed: abandoned
+            self.update_id, self.next_chunk = msg.update_id, 0
+            self.reader = ArrayReader()
+        if msg.update_id != self.update_id or msg.chunk != self.next_chunk:
+            raise WeightUpdateError(f"chunk {msg.chunk} of update {msg.update_id} out of "
+                                    f"order (expected chunk {self.next_chunk} of update "
+                                    f"{self.update_id})")
+        if not len(msg.names) == len(msg.dtypes) == len(msg.refs):
+            raise WeightUpdateError("a weight chunk needs one dtype and one ref per name")
+        for name, dtype, ref in zip(msg.names, msg.dtypes, msg.refs):
+            self._stage_one(name, dtype, ArrayRef.decode(ref))
+        self.next_chunk += 1
+
+    def _source(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+        want = self.hf_shapes.get(name)
+        if want is None:
+            raise WeightUpdateError(f"{name} is not a tensor of this model's checkpoint "
+                                    "(names are the HF checkpoint's, e.g. "
+                                    "model.layers.0.self_attn.q_proj.weight)")
+        if WIRE_DTYPES.get(dtype) != ref.dtype:
+            raise WeightUpdateError(f"{name}: dtype {dtype} sent as {ref.dtype}")
+        if tuple(ref.shape) != tuple(want):
+            raise WeightUpdateError(f"{name}: shape {list(ref.shape)} does not match the "
+                                    f"checkpoint's {list(want)}")
+        arr = self.reader.get(ref)
+        with warnings.catch_warnings():  # read-only view: the loaders only read it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(np.asarray(arr))
+        return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+    def _stage_one(self, name: str, dtype: str, ref: ArrayRef) -> None:
+        src = self._source(name, dtype, ref)
+        for pname, shard_id in self.model.param_for(name):
+            param = self.params.get(pname)
+            if param is None:
+                raise WeightUpdateError(f"{name} has no place in this model ({pname})")
+            owner = pname.rsplit(".", 1)[0]
+            if owner in self.quantized:
+                raise WeightUpdateError(
+                    f"{name}: layer {owner} is held quantized ({self.quantized[owner]}); "
+                    "quantized layers are loaded from a checkpoint, never updated in place: "
+                    "restart on the new checkpoint, or serve with quantization off")
+            staged = self.staged.get(pname)
+            if staged is None:
+                # A loader without a shard id writes the whole (local) parameter: no need
+                # to start from its current values, as a fused one's part must.
+                staged = self.staged[pname] = self._current(pname, param) \
+                    if shard_id is not None else torch.empty(self._shape(pname, param),
+                                                             dtype=param.dtype)
+            loader = getattr(param, "weight_loader", _default_loader)
+            with torch.no_grad():
+                loader(staged, src, shard_id)
+
+    def _shape(self, pname: str, param: nn.Parameter) -> torch.Size:
+        """The parameter's shape as the model uses it (a packed weight's, if packed)."""
+        packed = getattr(self.model.get_submodule(pname.rsplit(".", 1)[0]), "packed", None)
+        if param.numel() == 0 and isinstance(packed, torch.Tensor):
+            return packed.shape
+        return param.shape
+
+    def _current(self, pname: str, param: nn.Parameter) -> torch.Tensor:
+        """A dense copy of what the parameter holds now (the packed weight unpacked)."""
+        module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+        packed = getattr(module, "packed", None)
+        if pname.endswith(".weight") and isinstance(packed, torch.Tensor) \
+                and param.numel() == 0:
+            return packed.to_dense()
+        return param.detach().clone()
+
+    def commit(self, update_id: int) -> int:
+        """Apply everything staged for `update_id`; returns the parameters changed."""
+        if update_id != self.update_id:
+            raise WeightUpdateError(f"commit of update {update_id}, but update "
+                                    f"{self.update_id} is staged")
+        staged, self.staged = self.staged, {}
+        with torch.no_grad():
+            for pname, value in staged.items():
+                param = self.params[pname]
+                module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+                packed = getattr(module, "packed", None)
+                if pname.endswith(".weight") and isinstance(packed, torch.Tensor) \
+                        and param.numel() == 0:
+                    module.packed = value.to_mkldnn()
+                else:
+                    param.data.copy_(value)
+        self._close()
+        logger.info("weight update %d applied: %d parameters", update_id, len(staged))
+        return len(staged)
+
+    def abort(self, update_id: int | None) -> None:
+        """Drop what was staged for `update_id` (a no-op for any other)."""
+        if update_id is not None and update_id == self.update_id:
+            self.staged = {}
+            self._close()
+
+    def _close(self) -> None:
+        self.update_id, self.next_chunk = None, 0
+        if self.reader is not None:
+            self.reader.close()  # unmap the sender's segments
+            self.reader = None
