@@ -80,7 +80,8 @@ def _assert_close_to_dense(out: torch.Tensor, q: torch.Tensor, keys: torch.Tenso
 @dataclass
 class Seq:
     """Starts with `prefix` tokens already in its pages (a prefix hit), computes its prompt
-    up to `prompt` in chunks of at most `chunk` tokens, then decodes `decode` tokens;
+    up to `prompt` in chunks of at most `chunk` tokens, then decodes `decode` tokens,
+    `verify` at a time (as speculative verify rows score the last token and k drafts);
     joins the batch at step `arrive`."""
 
     prefix: int
@@ -88,6 +89,7 @@ class Seq:
     decode: int
     chunk: int = 1 << 30
     arrive: int = 0
+    verify: int = 1  # tokens per decode step (> 1: speculative verify rows)
     done: int = 0
     table: list[int] = field(default_factory=list)
 
@@ -96,7 +98,9 @@ class Seq:
         return self.prompt + self.decode
 
     def next_len(self) -> int:
-        return min(self.chunk, self.prompt - self.done) if self.done < self.prompt else 1
+        if self.done < self.prompt:
+            return min(self.chunk, self.prompt - self.done)
+        return min(self.verify, self.total - self.done)
 
 
 def _copy_bytes(cap: int, kv_heads: int, dtype: torch.dtype) -> int:
@@ -136,7 +140,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
     max_len = max(s.total for s in seqs)
     store = CpuKVStore(paged, budget, max_len, native_decode=native, window=window)
     assert store.native_decode == native
-    seen = dict(mixed_steps=0, grown=0, built=0, lost=0, native=0)
+    seen = dict(mixed_steps=0, grown=0, built=0, lost=0, native=0, native_runs=0)
     ids = {id(s): i for i, s in enumerate(seqs)}
     step = 0
     while any(s.done < s.total for s in seqs):
@@ -155,6 +159,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
         dec = meta.cpu_kv.decode
         with_copy = set(meta.cpu_kv.with_copy) | set(dec.seqs if dec else ())
         seen["native"] += len(dec.seqs) if dec else 0
+        seen["native_runs"] += sum(lens[i] > 1 for i in dec.seqs) if dec else 0
         seen["mixed_steps"] += 0 < len(with_copy) < len(batch)
         for j, s in enumerate(batch):
             i = ids[id(s)]
@@ -229,6 +234,24 @@ def test_decode(heads, kv_heads, native):
 def test_prefill_then_decode(heads, kv_heads, block_size, native):
     seqs = [Seq(0, p, 3, arrive=a) for p, a in ((7, 0), (1, 0), (16, 1), (33, 0), (5, 2))]
     _run(seqs, heads, kv_heads, ROOMY, block_size, seed=10 * heads + kv_heads, native=native)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("heads,kv_heads,dtype,window", [
+    (4, 2, torch.float32, None), (4, 1, torch.float32, 5), (4, 4, torch.bfloat16, None),
+    (4, 2, torch.bfloat16, 3)], ids=str)
+def test_verify_rows_beside_decodes_and_prefills(heads, kv_heads, dtype, window, native):
+    """Speculative steps: verify rows of 2, 5 and 9 tokens (k = 1, 4, 8; shorter at the
+    end) beside one-token decodes, a 16-token prompt (the kernel's longest run) and a
+    17-token one (SDPA's), with and without copies built from a prefix, in one batch:
+    the native kernel serves every run of at most cpu_ops.MAX_QUERIES tokens, each query
+    under its causal (and window) mask."""
+    seqs = [Seq(0, 6, 10, verify=5), Seq(4, 9, 5), Seq(0, 3, 12, verify=9, arrive=1),
+            Seq(10, 12, 4, verify=2), Seq(0, 16, 4, verify=5), Seq(0, 17, 2, arrive=2),
+            Seq(0, 30, 5, chunk=13, verify=5)]
+    seen = _run(seqs, heads, kv_heads, ROOMY, 4, seed=heads * 7 + kv_heads, dtype=dtype,
+                native=native, window=window)
+    assert (seen["native_runs"] > 0) == native and seen["mixed_steps"] == 0
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
@@ -469,5 +492,154 @@ def test_decode_attention_qkv_equals_split_rotary_then_kernel(dtype, heads, kv_h
     out = cpu_ops.decode_attention_qkv(qkv, positions, rot.cos, rot.sin, heads, kv_heads,
                                        *caches[1], *vecs(bufs2), layer, 0.3, window)
     assert torch.equal(out[rows], want.view(tokens, -1)[rows])
+    assert all(torch.equal(a, b) for a, b in zip(bufs, bufs2))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def _query_run_case(dtype: torch.dtype, heads: int, kv_heads: int, d: int, seed: int):
+    """A step for the kernel's query runs: sequences with 1, 5, 1, 9, 16 and 2 new tokens
+    (a new one-token prompt, verify rows, a decode, a whole 9-token prompt, the longest
+    run, a short one after a long context) between rows of other sequences (1, 8, 18)."""
+    g = torch.Generator().manual_seed(seed)
+    qlens, lens = [1, 5, 1, 9, 16, 2], [1, 12, 40, 9, 70, 300]
+    rows = [0, 2, 7, 9, 19, 35]
+    tokens = 37
+    bufs = [torch.randn(3, 2, kv_heads, n + 3, d, generator=g).to(dtype) for n in lens]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    slots = torch.randperm(64, generator=g)[:sum(qlens)]
+    slots[[3, 20]] = -1  # not stored in the paged cache
+    return qlens, lens, rows, bufs, qkv, slots.tolist()
+
+
+def _long(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.long)
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# The AVX-512 fixed shapes (8/2 at 64, 4/1 at 128) and the generic loop (6/2 at 80).
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 1, 128), (6, 2, 80)])
+@pytest.mark.parametrize("window", [0, 3])
+def test_native_kernel_query_runs(dtype, heads, kv_heads, d, window):
+    """Several new tokens per sequence in one call: each run's K/V appended to its copy
+    and stored at its slots, query j of a run attending over the keys up to its own
+    position (the last `window` of them) as SDPA does under a mask built here, and each
+    query's output bit for bit what decoding its token alone gives (so a verify row
+    scores a draft exactly as decoding it would)."""
+    qlens, lens, rows, bufs, qkv, slots = _query_run_case(dtype, heads, kv_heads, d,
+                                                          heads * d + window)
+    tokens, layer = qkv.shape[0], 1
+    q = qkv[:, :heads * d].reshape(tokens, heads, d).contiguous()
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    one = [b.clone() for b in bufs]  # for the token-by-token calls
+    k_cache, v_cache = (torch.zeros(4, 16, kv_heads, d, dtype=dtype) for _ in range(2))
+    out = torch.full_like(q, 7.0)
+    cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, _long(slots), _long(rows),
+                             _long([b.data_ptr() for b in bufs]),
+                             _long([b.shape[3] for b in bufs]), _long(lens), layer, 0.3,
+                             window, _long(qlens))
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    assert torch.count_nonzero(flat_k.abs().sum((1, 2))) == sum(s >= 0 for s in slots)
+    mine = set()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    slot_of = iter(slots)
+    for b, (row, n, ctx) in enumerate(zip(rows, qlens, lens)):
+        kv = bufs[b][layer, :, :, :ctx]
+        for j in range(n):
+            r, slot, seen = row + j, next(slot_of), ctx - n + j + 1
+            mine.add(r)
+            assert torch.equal(kv[0, :, seen - 1], k[r]) and torch.equal(kv[1, :, seen - 1], v[r])
+            if slot >= 0:
+                assert torch.equal(flat_k[slot], k[r]) and torch.equal(flat_v[slot], v[r])
+            first = max(0, seen - window) if window else 0
+            want = F.scaled_dot_product_attention(
+                q[r].float()[None, :, None], kv[0:1, :, first:seen].float(),
+                kv[1:2, :, first:seen].float(), scale=0.3, enable_gqa=True)[0, :, 0]
+            torch.testing.assert_close(out[r].float(), want, atol=tol, rtol=tol)
+    others = [r for r in range(tokens) if r not in mine]
+    assert others == [1, 8, 18] and torch.all(out[others] == 7.0)
+    # Token by token: the j-th new token of every run that has one, as one-token decodes.
+    each = torch.full_like(q, 7.0)
+    for j in range(max(qlens)):
+        bs = [b for b, n in enumerate(qlens) if j < n]
+        cpu_ops.decode_attention(each, q, k, v, torch.zeros_like(k_cache),
+                                 torch.zeros_like(v_cache), _long([-1] * len(bs)),
+                                 _long([rows[b] + j for b in bs]),
+                                 _long([one[b].data_ptr() for b in bs]),
+                                 _long([one[b].shape[3] for b in bs]),
+                                 _long([lens[b] - qlens[b] + j + 1 for b in bs]), layer, 0.3,
+                                 window)
+    assert torch.equal(each, out)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, one))
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
+@pytest.mark.parametrize("bad, match", [
+    ({"qlens": 0}, r"query_lens\[1\] = 0 must be in 1..16"),
+    ({"qlens": 17}, r"query_lens\[1\] = 17 must be in 1..16"),
+    ({"lens": 3}, r"lens\[1\] = 3 must be in 4..caps\[1\] = 8"),
+    ({"lens": 9}, r"lens\[1\] = 9 must be in 4..caps\[1\] = 8"),
+    ({"rows": 3}, r"rows\[1\] = 3 \+ query_lens\[1\] = 4 runs past the tokens \(6 tokens\)"),
+    ({"rows": -1}, r"rows\[1\] = -1 is not a token row"),
+    ({"slots": 64}, r"slots\[4\] = 64 is outside the paged cache \(64 slots\)"),
+    ({"slots": -2}, r"slots\[4\] = -2 is outside"),
+    ({"nslots": 4}, r"slots must have one entry per new token \(sum\(query_lens\) = 5\)"),
+])
+def test_native_kernel_refuses_query_runs_out_of_bounds(bad, match):
+    """Runs of several tokens: a query count outside 1..16, a length shorter than its run
+    or past the copy, a run past the step's tokens, a slot outside the cache or too few
+    slots are errors naming them, before anything is written."""
+    d, kv_heads, heads = 64, 1, 2
+    bufs = [torch.zeros(1, 2, kv_heads, 8, d) for _ in range(2)]
+    q = torch.randn(6, heads, d)
+    k, v = torch.randn(6, kv_heads, d), torch.randn(6, kv_heads, d)
+    k_cache, v_cache = (torch.zeros(4, 16, kv_heads, d) for _ in range(2))
+    vec = {"rows": [0, 2], "lens": [1, 6], "qlens": [1, 4], "slots": [3, 4, 5, 6, 7]}
+    for name, value in bad.items():
+        if name == "nslots":
+            vec["slots"] = vec["slots"][:value]
+        elif name == "slots":
+            vec[name][4] = value
+        else:
+            vec[name][1] = value
+    with pytest.raises(RuntimeError, match=match):
+        cpu_ops.decode_attention(torch.empty_like(q), q, k, v, k_cache, v_cache,
+                                 _long(vec["slots"]), _long(vec["rows"]),
+                                 _long([b.data_ptr() for b in bufs]),
+                                 _long([b.shape[3] for b in bufs]), _long(vec["lens"]),
+                                 0, 0.3, 0, _long(vec["qlens"]))
+    assert not k_cache.any() and not any(b.any() for b in bufs)
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (6, 2, 80)])
+def test_decode_attention_qkv_with_query_runs(dtype, heads, kv_heads, d):
+    """The fused call over runs of several tokens (each rotated at its own position)
+    equals split + rotary_embedding + the kernel."""
+    from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
+
+    class Cfg:
+        rope_theta = 10000.0
+
+    qlens, lens, rows, bufs, qkv, slots = _query_run_case(dtype, heads, kv_heads, d, d)
+    tokens, layer = qkv.shape[0], 2
+    rot = RotaryEmbedding(d, 512, compute_inv_freq(Cfg(), d)[0])
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(d))
+    bufs2 = [b.clone() for b in bufs]
+    caches = [[torch.zeros(4, 16, kv_heads, d, dtype=dtype) for _ in range(2)]
+              for _ in range(2)]
+    vecs = lambda bs: (_long(slots), _long(rows), _long([b.data_ptr() for b in bs]),  # noqa: E731
+                       _long([b.shape[3] for b in bs]), _long(lens))
+    q, k, v = qkv.view(tokens, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+    q, k = cpu_ops.rotary_embedding(positions, q, k, rot.cos, rot.sin)
+    want = torch.zeros_like(q)
+    cpu_ops.decode_attention(want, q, k, v, *caches[0], *vecs(bufs), layer, 0.3, 0,
+                             _long(qlens))
+    out = cpu_ops.decode_attention_qkv(qkv, positions, rot.cos, rot.sin, heads, kv_heads,
+                                       *caches[1], *vecs(bufs2), layer, 0.3, 0, _long(qlens))
+    mine = [r + j for r, n in zip(rows, qlens) for j in range(n)]
+    assert torch.equal(out[mine], want.view(tokens, -1)[mine])
     assert all(torch.equal(a, b) for a, b in zip(bufs, bufs2))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
