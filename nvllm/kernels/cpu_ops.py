@@ -101,8 +101,9 @@ def load() -> bool:
 
 
 # New tokens per sequence the decode kernel takes (csrc/cpu_decode_attention.cpp's
-# kMaxQueries): verify rows and short prompt chunks; longer runs go to SDPA.
-MAX_QUERIES = 16
+# kMaxQueries, which says why): every verify row (1 + the largest k) and short prompt
+# chunks; longer runs go to SDPA.
+MAX_QUERIES = 17
 
 
 def decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,

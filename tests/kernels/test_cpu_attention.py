@@ -241,13 +241,13 @@ def test_prefill_then_decode(heads, kv_heads, block_size, native):
     (4, 2, torch.float32, None), (4, 1, torch.float32, 5), (4, 4, torch.bfloat16, None),
     (4, 2, torch.bfloat16, 3)], ids=str)
 def test_verify_rows_beside_decodes_and_prefills(heads, kv_heads, dtype, window, native):
-    """Speculative steps: verify rows of 2, 5 and 9 tokens (k = 1, 4, 8; shorter at the
-    end) beside one-token decodes, a 16-token prompt (the kernel's longest run) and a
-    17-token one (SDPA's), with and without copies built from a prefix, in one batch:
+    """Speculative steps: verify rows of 2, 5 and 17 tokens (k = 1, 4, 16; shorter at the
+    end) beside one-token decodes, a 17-token prompt (the kernel's longest run) and an
+    18-token one (SDPA's), with and without copies built from a prefix, in one batch:
     the native kernel serves every run of at most cpu_ops.MAX_QUERIES tokens, each query
     under its causal (and window) mask."""
-    seqs = [Seq(0, 6, 10, verify=5), Seq(4, 9, 5), Seq(0, 3, 12, verify=9, arrive=1),
-            Seq(10, 12, 4, verify=2), Seq(0, 16, 4, verify=5), Seq(0, 17, 2, arrive=2),
+    seqs = [Seq(0, 6, 10, verify=5), Seq(4, 9, 5), Seq(0, 3, 20, verify=17, arrive=1),
+            Seq(10, 12, 4, verify=2), Seq(0, 17, 4, verify=5), Seq(0, 18, 2, arrive=2),
             Seq(0, 30, 5, chunk=13, verify=5)]
     seen = _run(seqs, heads, kv_heads, ROOMY, 4, seed=heads * 7 + kv_heads, dtype=dtype,
                 native=native, window=window)
@@ -497,13 +497,14 @@ def test_decode_attention_qkv_equals_split_rotary_then_kernel(dtype, heads, kv_h
 
 
 def _query_run_case(dtype: torch.dtype, heads: int, kv_heads: int, d: int, seed: int):
-    """A step for the kernel's query runs: sequences with 1, 5, 1, 9, 16 and 2 new tokens
+    """A step for the kernel's query runs: sequences with 1, 5, 1, 9, 17 and 2 new tokens
     (a new one-token prompt, verify rows, a decode, a whole 9-token prompt, the longest
-    run, a short one after a long context) between rows of other sequences (1, 8, 18)."""
+    run, a short one after a long context) between rows of other sequences (1, 8, 18,
+    36)."""
     g = torch.Generator().manual_seed(seed)
-    qlens, lens = [1, 5, 1, 9, 16, 2], [1, 12, 40, 9, 70, 300]
-    rows = [0, 2, 7, 9, 19, 35]
-    tokens = 37
+    qlens, lens = [1, 5, 1, 9, 17, 2], [1, 12, 40, 9, 70, 300]
+    rows = [0, 2, 7, 9, 19, 37]
+    tokens = 39
     bufs = [torch.randn(3, 2, kv_heads, n + 3, d, generator=g).to(dtype) for n in lens]
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     slots = torch.randperm(64, generator=g)[:sum(qlens)]
@@ -558,7 +559,7 @@ def test_native_kernel_query_runs(dtype, heads, kv_heads, d, window):
                 kv[1:2, :, first:seen].float(), scale=0.3, enable_gqa=True)[0, :, 0]
             torch.testing.assert_close(out[r].float(), want, atol=tol, rtol=tol)
     others = [r for r in range(tokens) if r not in mine]
-    assert others == [1, 8, 18] and torch.all(out[others] == 7.0)
+    assert others == [1, 8, 18, 36] and torch.all(out[others] == 7.0)
     # Token by token: the j-th new token of every run that has one, as one-token decodes.
     each = torch.full_like(q, 7.0)
     for j in range(max(qlens)):
@@ -574,10 +575,18 @@ def test_native_kernel_query_runs(dtype, heads, kv_heads, d, window):
     assert all(torch.equal(a, b) for a, b in zip(bufs, one))
 
 
+def test_every_verify_row_fits_the_kernel():
+    """The kernel's run bound covers a verify row at the largest k the config accepts (the
+    kernels package may not import the config, so the two constants meet here)."""
+    from nvllm.common.speculative import MAX_SPECULATIVE_TOKENS
+
+    assert cpu_ops.MAX_QUERIES == 1 + MAX_SPECULATIVE_TOKENS
+
+
 @pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
 @pytest.mark.parametrize("bad, match", [
-    ({"qlens": 0}, r"query_lens\[1\] = 0 must be in 1..16"),
-    ({"qlens": 17}, r"query_lens\[1\] = 17 must be in 1..16"),
+    ({"qlens": 0}, r"query_lens\[1\] = 0 must be in 1..17"),
+    ({"qlens": 18}, r"query_lens\[1\] = 18 must be in 1..17"),
     ({"lens": 3}, r"lens\[1\] = 3 must be in 4..caps\[1\] = 8"),
     ({"lens": 9}, r"lens\[1\] = 9 must be in 4..caps\[1\] = 8"),
     ({"rows": 3}, r"rows\[1\] = 3 \+ query_lens\[1\] = 4 runs past the tokens \(6 tokens\)"),
@@ -587,7 +596,7 @@ def test_native_kernel_query_runs(dtype, heads, kv_heads, d, window):
     ({"nslots": 4}, r"slots must have one entry per new token \(sum\(query_lens\) = 5\)"),
 ])
 def test_native_kernel_refuses_query_runs_out_of_bounds(bad, match):
-    """Runs of several tokens: a query count outside 1..16, a length shorter than its run
+    """Runs of several tokens: a query count outside 1..17, a length shorter than its run
     or past the copy, a run past the step's tokens, a slot outside the cache or too few
     slots are errors naming them, before anything is written."""
     d, kv_heads, heads = 64, 1, 2

@@ -363,11 +363,12 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t k
                 "rows, bases, caps, lens and query_lens must be int64 vectors of one length");
 }
 
-// Up to this many new tokens per sequence. The kernel reads a sequence's keys once per
-// query (SDPA's matmul reads them once for all), so it pays for verify rows (k + 1 <= 9
-// at the usual k) and short prompt chunks; past ~16 queries one SDPA call per sequence
-// costs less than the per-query passes (measured by tests' bench: docs/speculative.md).
-constexpr int64_t kMaxQueries = 16;
+// Up to this many new tokens per sequence: a verify row at the largest k the config
+// allows (1 + MAX_SPECULATIVE_TOKENS, nvllm/common/speculative.py), so every one fits.
+// The kernel reads a run's keys once per query where SDPA's matmul reads them once for
+// all; at 16 queries it still costs a fraction of the per-sequence SDPA calls
+// (scripts/bench_cpu_verify.py), and longer prompt runs go to SDPA.
+constexpr int64_t kMaxQueries = 17;
 
 // The per-sequence indices, checked before any write: a query run past the tokens, a
 // query count outside 1..kMaxQueries, a length shorter than the run (the new tokens are
