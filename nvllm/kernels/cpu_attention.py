@@ -13,10 +13,12 @@ them within their own byte budget. A sequence that does not fit reads its pages 
 reference path) until the budget has room for a copy again; both paths give the same
 values bit for bit, as ``attention`` runs the reference's own SDPA calls.
 
-Decoding sequences (one new token) that have a copy go to the native kernel
-(``cpu_ops``, ``csrc/cpu_decode_attention.cpp``) when it is built: one call per layer
-appends every such sequence's K/V to its copy and attends over it, where the SDPA path
-makes one call per sequence. Prefill runs, and sequences without a copy, stay on SDPA.
+Sequences with a copy and a few new tokens (1..``cpu_ops.MAX_QUERIES``: decodes,
+speculative verify rows of the last token and k drafts, short prompt chunks) go to the
+native kernel (``cpu_ops``, ``csrc/cpu_decode_attention.cpp``) when it is built: one call
+per layer appends every such sequence's K/V to its copy and attends over it, each query
+over the keys up to its own position, where the SDPA path makes one call per sequence.
+Longer prompt runs, and sequences without a copy, stay on SDPA.
 
 The model runner owns one ``CpuKVStore``: ``views_for_step`` before each (micro-)batch,
 whose result it puts in ``AttentionMetadata.cpu_kv``, and ``drop`` when a sequence ends or
@@ -41,20 +43,25 @@ MIN_CAPACITY = 64  # tokens: a new copy's smallest size (short prompts still dec
 
 @dataclass(slots=True)
 class DecodeRows:
-    """The step's decoding sequences that the native kernel serves, as the int64 vectors
-    it reads: each one's row in the step's tokens, its copy's address and capacity, and
-    its context length after this step. ``seqs`` are their indices in the step. The
-    kernel also writes their K/V into the paged cache, at ``slot_mapping[rows]``
-    (``slots``: taken by the step's first layer, which every other layer reuses)."""
+    """The step's sequences that the native kernel serves (those with a copy and
+    1..cpu_ops.MAX_QUERIES new tokens: decodes, verify rows, short prompt chunks), as the
+    int64 vectors it reads: each one's first row in the step's tokens, its copy's address
+    and capacity, and its context length after this step. ``query_lens``: each one's new
+    tokens (rows[i] onwards), None when every one has a single token. ``seqs`` are their
+    indices in the step. The kernel also writes their K/V into the paged cache, at
+    ``slot_mapping[token_rows]`` (``slots``: taken by the step's first layer, which every
+    other layer reuses)."""
 
     seqs: list[int]
     rows: torch.Tensor
     bases: torch.Tensor
     caps: torch.Tensor
     lens: torch.Tensor
+    query_lens: torch.Tensor | None
+    token_rows: torch.Tensor  # every row of the kernel's runs, in order
     slots: torch.Tensor | None = None
-    # Whether the kernel's rows are the step's every row (decode only): set by the step's
-    # first layer (attention or decode_qkv), which every other layer reuses.
+    # Whether the kernel's rows are the step's every row: set by the step's first layer
+    # (attention or decode_qkv), which every other layer reuses.
     all_rows: bool | None = None
 
 
@@ -125,18 +132,20 @@ class CpuKVStore:
         values: list[tuple[torch.Tensor, ...] | None] = []
         with_copy: list[int] = []
         firsts: list[int] = []
-        dec: list[list[int]] = [[], [], [], [], []]  # seqs, rows, bases, caps, lens
+        dec: list[list[int]] = [[], [], [], [], [], []]  # seqs, rows, bases, caps, lens, n
+        token_rows: list[int] = []
         row = 0
         for i, (sid, table, n, ctx) in enumerate(zip(seq_ids, block_tables, query_lens,
                                                      context_lens)):
             buf = self._copy_for(sid, table, ctx - n, ctx)
             off = self.offsets.get(sid, 0) if buf is not None else 0
             firsts.append(off)
-            if buf is None or (n == 1 and self.native_decode):
+            if buf is None or (self.native_decode and 1 <= n <= cpu_ops.MAX_QUERIES):
                 if buf is not None:  # the kernel sees the copy's positions: ctx - off
                     for col, x in zip(dec, (i, row, buf.data_ptr(), buf.shape[3],
-                                            ctx - off)):
+                                            ctx - off, n)):
                         col.append(x)
+                    token_rows.extend(range(row, row + n))
                 dst.append(None)
                 keys.append(None)
                 values.append(None)
@@ -148,8 +157,12 @@ class CpuKVStore:
             row += n
         decode = None
         if dec[0]:
-            rows, bases, caps, lens = (torch.tensor(c, dtype=torch.long) for c in dec[1:])
-            decode = DecodeRows(dec[0], rows, bases, caps, lens)
+            rows, bases, caps, lens, qlens = (torch.tensor(c, dtype=torch.long)
+                                              for c in dec[1:])
+            one_each = len(token_rows) == len(dec[0])
+            decode = DecodeRows(dec[0], rows, bases, caps, lens, None if one_each else qlens,
+                                rows if one_each else torch.tensor(token_rows,
+                                                                   dtype=torch.long))
         return StepViews(dst, keys, values, with_copy, decode, firsts)
 
     def _copy_for(self, seq_id: int, block_table: Sequence[int], done: int,
@@ -209,7 +222,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     pages, if it has none)."""
     views = meta.cpu_kv
     dec = views.decode
-    # Decoding rows only (one token each): the kernel stores every row itself.
+    # The kernel's rows only: it stores every one itself.
     all_rows = dec is not None and _all_rows(dec, meta, q.shape[0])
     if not all_rows:  # (the kernel's rows, if any, are then stored twice: harmless)
         reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -232,7 +245,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         return reference.attend_runs(q, meta, scale, kv_of, lens, window)
     out = torch.empty_like(q)
     cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, dec.slots, dec.rows, dec.bases,
-                             dec.caps, dec.lens, layer, scale, window or 0)
+                             dec.caps, dec.lens, layer, scale, window or 0, dec.query_lens)
     if len(dec.seqs) < meta.num_seqs:
         native = set(dec.seqs)
         for i in range(meta.num_seqs):
@@ -249,8 +262,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 def _all_rows(dec: DecodeRows, meta: AttentionMetadata, tokens: int) -> bool:
     """Whether the kernel serves every row of the step; also takes dec.slots (once)."""
     if dec.all_rows is None:
-        dec.all_rows = len(dec.seqs) == tokens
-        dec.slots = meta.slot_mapping if dec.all_rows else meta.slot_mapping[dec.rows]
+        dec.all_rows = len(dec.token_rows) == tokens
+        dec.slots = meta.slot_mapping if dec.all_rows else meta.slot_mapping[dec.token_rows]
     return dec.all_rows
 
 
@@ -258,16 +271,17 @@ def decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: int,
                window: int | None = None) -> torch.Tensor | None:
-    """A decode-only step's attention from the fused projection ``qkv``
+    """A step's attention from the fused projection ``qkv``
     ([T, (heads + 2 kv_heads) d]) in one native call: neox rotary (cos/sin: the float32
     [max_pos, d] tables), the K/V stores and attention, as split + rotary_embedding +
     ``attention`` compute them (the same values); [T, heads * d]. None when the step is not
-    the kernel's alone (some row prefills or reads its pages): the caller takes the
-    general path."""
+    the kernel's alone (some sequence prefills more than cpu_ops.MAX_QUERIES tokens or
+    reads its pages): the caller takes the general path."""
     views = meta.cpu_kv
     dec = views.decode if views is not None else None
     if dec is None or not _all_rows(dec, meta, qkv.shape[0]):
         return None
     return cpu_ops.decode_attention_qkv(qkv, positions, cos, sin, heads, kv_heads, k_cache,
                                         v_cache, dec.slots, dec.rows, dec.bases, dec.caps,
-                                        dec.lens, layer, scale, window or 0)
+                                        dec.lens, layer, scale, window or 0,
+                                        dec.query_lens)

@@ -100,30 +100,39 @@ def load() -> bool:
         return False
 
 
+# New tokens per sequence the decode kernel takes (csrc/cpu_decode_attention.cpp's
+# kMaxQueries, which says why): every verify row (1 + the largest k) and short prompt
+# chunks; longer runs go to SDPA.
+MAX_QUERIES = 17
+
+
 def decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, rows: torch.Tensor, bases: torch.Tensor,
                      caps: torch.Tensor, lens: torch.Tensor, layer: int, scale: float,
-                     window: int = 0) -> None:
+                     window: int = 0, query_lens: torch.Tensor | None = None) -> None:
     """See csrc/cpu_decode_attention.cpp (window > 0: only the last `window` keys of each
-    sequence are visible); only after load() returned True."""
+    query are visible). query_lens: each sequence's new tokens (1..MAX_QUERIES, at rows[i]
+    onwards; slots then has one entry per new token); None: one each. Only after load()
+    returned True."""
     torch.ops.nvllm_cpu.decode_attention(out, q, k_new, v_new, k_cache, v_cache, slots, rows,
-                                         bases, caps, lens, layer, scale, window)
+                                         bases, caps, lens, layer, scale, window, query_lens)
 
 
 def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
                          bases: torch.Tensor, caps: torch.Tensor, lens: torch.Tensor,
-                         layer: int, scale: float, window: int = 0) -> torch.Tensor:
+                         layer: int, scale: float, window: int = 0,
+                         query_lens: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention of the fused q/k/v projection's output ([T, (heads + 2 kv_heads) d]),
     q and k rotated as rotary_embedding rotates them, in one call; returns [T, heads * d]
-    (rows not in `rows` left unwritten)."""
+    (rows not in the sequences' runs left unwritten)."""
     out = torch.empty(qkv.shape[0], heads * (qkv.shape[1] // (heads + 2 * kv_heads)),
                       dtype=qkv.dtype)
     torch.ops.nvllm_cpu.decode_attention_qkv(out, qkv, positions, cos, sin, heads, kv_heads,
                                              k_cache, v_cache, slots, rows, bases, caps,
-                                             lens, layer, scale, window)
+                                             lens, layer, scale, window, query_lens)
     return out
 
 

@@ -80,7 +80,8 @@ def _assert_close_to_dense(out: torch.Tensor, q: torch.Tensor, keys: torch.Tenso
 @dataclass
 class Seq:
     """Starts with `prefix` tokens already in its pages (a prefix hit), computes its prompt
-    up to `prompt` in chunks of at most `chunk` tokens, then decodes `decode` tokens;
+    up to `prompt` in chunks of at most `chunk` tokens, then decodes `decode` tokens,
+    `verify` at a time (as speculative verify rows score the last token and k drafts);
     joins the batch at step `arrive`."""
 
     prefix: int
@@ -88,6 +89,7 @@ class Seq:
     decode: int
     chunk: int = 1 << 30
     arrive: int = 0
+    verify: int = 1  # tokens per decode step (> 1: speculative verify rows)
     done: int = 0
     table: list[int] = field(default_factory=list)
 
@@ -96,7 +98,9 @@ class Seq:
         return self.prompt + self.decode
 
     def next_len(self) -> int:
-        return min(self.chunk, self.prompt - self.done) if self.done < self.prompt else 1
+        if self.done < self.prompt:
+            return min(self.chunk, self.prompt - self.done)
+        return min(self.verify, self.total - self.done)
 
 
 def _copy_bytes(cap: int, kv_heads: int, dtype: torch.dtype) -> int:
@@ -136,7 +140,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
     max_len = max(s.total for s in seqs)
     store = CpuKVStore(paged, budget, max_len, native_decode=native, window=window)
     assert store.native_decode == native
-    seen = dict(mixed_steps=0, grown=0, built=0, lost=0, native=0)
+    seen = dict(mixed_steps=0, grown=0, built=0, lost=0, native=0, native_runs=0)
     ids = {id(s): i for i, s in enumerate(seqs)}
     step = 0
     while any(s.done < s.total for s in seqs):
@@ -155,6 +159,7 @@ def _run(seqs: list[Seq], heads: int, kv_heads: int, budget: int, block_size: in
         dec = meta.cpu_kv.decode
         with_copy = set(meta.cpu_kv.with_copy) | set(dec.seqs if dec else ())
         seen["native"] += len(dec.seqs) if dec else 0
+        seen["native_runs"] += sum(lens[i] > 1 for i in dec.seqs) if dec else 0
         seen["mixed_steps"] += 0 < len(with_copy) < len(batch)
         for j, s in enumerate(batch):
             i = ids[id(s)]
@@ -229,6 +234,24 @@ def test_decode(heads, kv_heads, native):
 def test_prefill_then_decode(heads, kv_heads, block_size, native):
     seqs = [Seq(0, p, 3, arrive=a) for p, a in ((7, 0), (1, 0), (16, 1), (33, 0), (5, 2))]
     _run(seqs, heads, kv_heads, ROOMY, block_size, seed=10 * heads + kv_heads, native=native)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("heads,kv_heads,dtype,window", [
+    (4, 2, torch.float32, None), (4, 1, torch.float32, 5), (4, 4, torch.bfloat16, None),
+    (4, 2, torch.bfloat16, 3)], ids=str)
+def test_verify_rows_beside_decodes_and_prefills(heads, kv_heads, dtype, window, native):
+    """Speculative steps: verify rows of 2, 5 and 17 tokens (k = 1, 4, 16; shorter at the
+    end) beside one-token decodes, a 17-token prompt (the kernel's longest run) and an
+    18-token one (SDPA's), with and without copies built from a prefix, in one batch:
+    the native kernel serves every run of at most cpu_ops.MAX_QUERIES tokens, each query
+    under its causal (and window) mask."""
+    seqs = [Seq(0, 6, 10, verify=5), Seq(4, 9, 5), Seq(0, 3, 20, verify=17, arrive=1),
+            Seq(10, 12, 4, verify=2), Seq(0, 17, 4, verify=5), Seq(0, 18, 2, arrive=2),
+            Seq(0, 30, 5, chunk=13, verify=5)]
+    seen = _run(seqs, heads, kv_heads, ROOMY, 4, seed=heads * 7 + kv_heads, dtype=dtype,
+                native=native, window=window)
+    assert (seen["native_runs"] > 0) == native and seen["mixed_steps"] == 0
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
@@ -471,3 +494,4 @@ def test_decode_attention_qkv_equals_split_rotary_then_kernel(dtype, heads, kv_h
     assert torch.equal(out[rows], want.view(tokens, -1)[rows])
     assert all(torch.equal(a, b) for a, b in zip(bufs, bufs2))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+

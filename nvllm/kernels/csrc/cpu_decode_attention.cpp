@@ -6,8 +6,13 @@
 // per-sequence SDPA calls this replaces cost ~25 us each in float32 and ~110 us in
 // bfloat16, 2 x 10 layers x batch of them per step).
 //
-// One task per (sequence, KV head): it first appends this step's key and value to the
-// sequence's buffer, then the query heads of that group read each key and value once. Scores and sums are float32 whatever the storage type (float32 or bfloat16);
+// A sequence may bring a few new tokens rather than one (speculative verify rows: the
+// last token and k drafts; short prompt chunks): query j of its run sees the keys up to
+// its own position, so the step's decodes and verify rows share the one call.
+//
+// One task per (sequence, KV head): it first appends this step's keys and values to the
+// sequence's buffer, then the query heads of that group read each key and value once per
+// query. Scores and sums are float32 whatever the storage type (float32 or bfloat16);
 // softmax is the two-pass max / exp / sum form.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -243,70 +249,95 @@ struct Rope {  // positions of the step's tokens and the [max_pos, d] float32 ta
   const float* sin = nullptr;
 };
 
+struct Queries {  // each sequence's new tokens: rows[b] .. rows[b] + qlens[b] - 1
+  const int64_t* row = nullptr;
+  const int64_t* qlen = nullptr;   // nullptr: one token each
+  const int64_t* first = nullptr;  // prefix sums of qlen: sequence b's slots start here
+  int64_t len(int64_t b) const { return qlen != nullptr ? qlen[b] : 1; }
+  int64_t slot0(int64_t b) const { return first != nullptr ? first[b] : b; }
+};
+
+// Sequence b's work for KV head h: store its new keys and values (rotated first when
+// rope.pos is set) in its buffer and the paged cache, then attend each query over its
+// causal prefix. Each query is one call of the one-query routine, so query j of a
+// verify run computes exactly what decoding that token alone would.
+template <typename T>
+void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0,
+              int64_t qs1, const T* kp, int64_t ks0, int64_t ks1, const T* vp, int64_t vs0,
+              int64_t vs1, int64_t kv_heads, int64_t group, int64_t d, T* kc, T* vc,
+              const int64_t* slot, const Queries& qs, const int64_t* base, const int64_t* cap,
+              const int64_t* len, int64_t layer, float scale, int64_t window, Rope rope,
+              std::vector<float>& scores) {
+  T k_rot[kMaxHeadDim];
+  T q_rot[kMaxGroup * kMaxHeadDim];
+  T* buf = reinterpret_cast<T*>(base[b]);
+  T* k = buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
+  T* v = buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
+  const int64_t nq = qs.len(b), past = len[b] - nq;
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t r = qs.row[b] + j, sl = slot[qs.slot0(b) + j];
+    const T* kb = kp + r * ks0 + h * ks1;
+    const T* vb = vp + r * vs0 + h * vs1;
+    if (rope.pos != nullptr) {
+      rope_row<T>(k_rot, kb, rope.cos + rope.pos[r] * d, rope.sin + rope.pos[r] * d, d);
+      kb = k_rot;
+    }
+    append<T>(k + (past + j) * d, kb, d);
+    append<T>(v + (past + j) * d, vb, d);
+    if (sl >= 0) {  // the paged cache too: prefix hits and rebuilt copies read it
+      append<T>(kc + (sl * kv_heads + h) * d, kb, d);
+      append<T>(vc + (sl * kv_heads + h) * d, vb, d);
+    }
+  }
+#ifdef __AVX512F__
+  const AttendFn<T> fixed = fixed_kernel<T>(group, d);
+#endif
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t r = qs.row[b] + j;
+    const T* qh = qp + r * qs0 + h * group * qs1;
+    int64_t q_stride = qs1;
+    if (rope.pos != nullptr) {
+      const float* c = rope.cos + rope.pos[r] * d;
+      const float* s = rope.sin + rope.pos[r] * d;
+      for (int64_t g = 0; g < group; ++g) rope_row<T>(q_rot + g * d, qh + g * qs1, c, s, d);
+      qh = q_rot;
+      q_stride = d;
+    }
+    T* oh = op + r * os0 + h * group * os1;
+    // Query j sees keys 0 .. past + j; a sliding window only moves the first of them.
+    const int64_t seen = past + j + 1;
+    const int64_t first = window > 0 && seen > window ? seen - window : 0;
+#ifdef __AVX512F__
+    if (fixed != nullptr) {
+      fixed(qh, q_stride, k + first * d, v + first * d, seen - first, scale, oh, os1, scores);
+      continue;
+    }
+#endif
+    attend_one<T>(qh, q_stride, k + first * d, v + first * d, seen - first, group, d, scale,
+                  oh, os1, scores);
+  }
+}
+
 template <typename T>
 void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1, const T* kp,
          int64_t ks0, int64_t ks1, const T* vp, int64_t vs0, int64_t vs1, int64_t heads,
          int64_t kv_heads, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
-         const at::Tensor& caps, const at::Tensor& lens, int64_t layer, double scale,
-         int64_t window, Rope rope) {
+         const at::Tensor& caps, const at::Tensor& lens, const Queries& qs, int64_t layer,
+         double scale, int64_t window, Rope rope) {
   const int64_t n = rows.size(0);
   const int64_t group = heads / kv_heads;
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* base = bases.data_ptr<int64_t>();
-  const int64_t* cap = caps.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
-  T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
-#ifdef __AVX512F__
-  const AttendFn<T> fixed = fixed_kernel<T>(group, d);
-#endif
-  int64_t keys = 0;
-  for (int64_t b = 0; b < n; ++b) keys += len[b];
+  int64_t keys = 0;  // keys read, over every query
+  for (int64_t b = 0; b < n; ++b) keys += qs.len(b) * len[b];
   auto task = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    T k_rot[kMaxHeadDim];
-    T q_rot[kMaxGroup * kMaxHeadDim];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / kv_heads, h = t % kv_heads;
-      T* buf = reinterpret_cast<T*>(base[b]);
-      T* k = buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
-      T* v = buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
-      const T* kb = kp + row[b] * ks0 + h * ks1;
-      const T* vb = vp + row[b] * vs0 + h * vs1;
-      const T* qh = qp + row[b] * qs0 + h * group * qs1;
-      int64_t q_stride = qs1;
-      if (rope.pos != nullptr) {
-        const float* c = rope.cos + rope.pos[row[b]] * d;
-        const float* s = rope.sin + rope.pos[row[b]] * d;
-        rope_row<T>(k_rot, kb, c, s, d);
-        kb = k_rot;
-        for (int64_t g = 0; g < group; ++g) rope_row<T>(q_rot + g * d, qh + g * qs1, c, s, d);
-        qh = q_rot;
-        q_stride = d;
-      }
-      append<T>(k + (len[b] - 1) * d, kb, d);
-      append<T>(v + (len[b] - 1) * d, vb, d);
-      if (slot[b] >= 0) {  // the paged cache too: prefix hits and rebuilt copies read it
-        append<T>(kc + (slot[b] * kv_heads + h) * d, kb, d);
-        append<T>(vc + (slot[b] * kv_heads + h) * d, vb, d);
-      }
-      T* oh = op + row[b] * os0 + h * group * os1;
-      // A sliding window only moves the first visible key: the last `window` ones.
-      const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0;
-      const T* kw = k + first * d;
-      const T* vw = v + first * d;
-#ifdef __AVX512F__
-      if (fixed != nullptr) {
-        fixed(qh, q_stride, kw, vw, len[b] - first, static_cast<float>(scale), oh, os1,
-              scores);
-        continue;
-      }
-#endif
-      attend_one<T>(qh, q_stride, kw, vw, len[b] - first, group, d, static_cast<float>(scale),
-                    oh, os1, scores);
-    }
+    for (int64_t t = begin; t < end; ++t)
+      run_task<T>(t / kv_heads, t % kv_heads, op, os0, os1, qp, qs0, qs1, kp, ks0, ks1, vp,
+                  vs0, vs1, kv_heads, group, d, reinterpret_cast<T*>(k_cache.data_ptr()),
+                  reinterpret_cast<T*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), qs,
+                  bases.data_ptr<int64_t>(), caps.data_ptr<int64_t>(), len, layer,
+                  static_cast<float>(scale), window, rope, scores);
   };
   if (2 * keys * heads * d < kSerialWork)
     task(0, n * kv_heads);
@@ -327,42 +358,85 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t k
                     t->size(3) == d && t->scalar_type() == dtype,
                 "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, d]");
   for (const at::Tensor* t : vectors)
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() &&
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 &&
                     t->size(0) == rows.size(0),
-                "rows, bases, caps, lens and slots must be int64 vectors of one length");
+                "rows, bases, caps, lens and query_lens must be int64 vectors of one length");
 }
 
-// The per-sequence indices, checked before any write: a row past the tokens, a length
-// of 0 (the new token is always a key) or past its buffer's capacity, or a slot past the
-// paged cache would write out of bounds, so each is an error, not undefined behaviour.
-void check_rows(const at::Tensor& rows, const at::Tensor& caps, const at::Tensor& lens,
-                const at::Tensor& slots, int64_t num_tokens, const at::Tensor& k_cache) {
-  const int64_t* row = rows.data_ptr<int64_t>();
+// Up to this many new tokens per sequence: a verify row at the largest k the config
+// allows (1 + MAX_SPECULATIVE_TOKENS, nvllm/common/speculative.py), so every one fits.
+// The kernel reads a run's keys once per query where SDPA's matmul reads them once for
+// all, so its lead narrows as runs grow (scripts/bench_cpu_verify.py, 16 sequences at
+// context 256: 5.5x the per-sequence SDPA calls' speed at 1 query, 3.9x at 5, 1.8x at
+// 17); longer prompt runs go to SDPA.
+constexpr int64_t kMaxQueries = 17;
+
+// The per-sequence indices, checked before any write: a query run past the tokens, a
+// query count outside 1..kMaxQueries, a length shorter than the run (the new tokens are
+// always keys) or past its buffer's capacity, or a slot past the paged cache would write
+// out of bounds, so each is an error, not undefined behaviour. Returns the runs, their
+// slot offsets in `first` (filled here when query_lens is given).
+Queries check_rows(const at::Tensor& rows, const std::optional<at::Tensor>& query_lens,
+                   const at::Tensor& caps, const at::Tensor& lens, const at::Tensor& slots,
+                   int64_t num_tokens, const at::Tensor& k_cache, std::vector<int64_t>& first) {
+  const int64_t n = rows.size(0);
+  Queries qs{rows.data_ptr<int64_t>()};
+  if (query_lens.has_value()) {
+    const at::Tensor& ql = *query_lens;
+    TORCH_CHECK(ql.scalar_type() == at::kLong && ql.is_contiguous() && ql.dim() == 1 &&
+                    ql.size(0) == n,
+                "query_lens must be an int64 vector, one per sequence (as rows)");
+    qs.qlen = ql.data_ptr<int64_t>();
+    first.resize(static_cast<size_t>(n));
+    int64_t total = 0;
+    for (int64_t b = 0; b < n; ++b) {
+      TORCH_CHECK(qs.qlen[b] >= 1 && qs.qlen[b] <= kMaxQueries, "query_lens[", b, "] = ",
+                  qs.qlen[b], " must be in 1..", kMaxQueries);
+      first[b] = total;
+      total += qs.qlen[b];
+    }
+    qs.first = first.data();
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == total, "slots must have one entry per "
+                "new token (sum(query_lens) = ", total, "), not ", slots.numel());
+  } else {
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == n,
+                "slots must have one entry per sequence (as rows) without query_lens");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 vector");
   const int64_t* cap = caps.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t b = 0; b < rows.size(0); ++b) {
-    TORCH_CHECK(row[b] >= 0 && row[b] < num_tokens, "rows[", b, "] = ", row[b],
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t nq = qs.len(b), row = qs.row[b];
+    TORCH_CHECK(row >= 0 && row < num_tokens, "rows[", b, "] = ", row,
                 " is not a token row (", num_tokens, " tokens)");
-    TORCH_CHECK(len[b] >= 1 && len[b] <= cap[b], "lens[", b, "] = ", len[b],
-                " must be in 1..caps[", b, "] = ", cap[b]);
-    TORCH_CHECK(slot[b] >= -1 && slot[b] < num_slots, "slots[", b, "] = ", slot[b],
-                " is outside the paged cache (", num_slots, " slots)");
+    TORCH_CHECK(row + nq <= num_tokens, "rows[", b, "] = ", row, " + query_lens[", b,
+                "] = ", nq, " runs past the tokens (", num_tokens, " tokens)");
+    TORCH_CHECK(len[b] >= nq && len[b] <= cap[b], "lens[", b, "] = ", len[b], " must be in ",
+                nq, "..caps[", b, "] = ", cap[b]);
   }
+  for (int64_t i = 0; i < slots.size(0); ++i)
+    TORCH_CHECK(slot[i] >= -1 && slot[i] < num_slots, "slots[", i, "] = ", slot[i],
+                " is outside the paged cache (", num_slots, " slots)");
+  return qs;
 }
 
-// For each decoding sequence b: write k_new[rows[b]] and v_new[rows[b]] as its token
-// lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype)
-// and at slots[b] of the paged cache (skipped when -1), then out[rows[b]] = attention
-// of q[rows[b]] over its first lens[b] keys and values (the last `window` of them when
+// For each sequence b with m = query_lens[b] new tokens (1 when query_lens is None), at
+// rows[b] .. rows[b] + m - 1: write their k_new and v_new rows as its tokens lens[b] - m
+// .. lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype)
+// and at their slots (one per new token, in sequence order; -1: not stored) of the paged
+// cache, then out[row] = attention of q[row] over the keys and values up to its own
+// (causal: query j sees lens[b] - m + j + 1 of them; the last `window` of those when
 // window > 0: sliding-window attention; 0: all). The caller guarantees the buffers
-// (cpu_attention.CpuKVStore); rows, lens and slots are checked (check_rows).
+// (cpu_attention.CpuKVStore); rows, query_lens, lens and slots are checked (check_rows).
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
                       const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
                       const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
                       const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
-                      double scale, int64_t window) {
+                      double scale, int64_t window,
+                      const std::optional<at::Tensor>& query_lens) {
   const int64_t kv_heads = k_new.size(1), heads = q.size(1), d = q.size(2);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_new, &v_new})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->size(2) == q.size(2) &&
@@ -370,10 +444,11 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
                 "out, q, k_new and v_new must be [tokens, heads, d] of one dtype, d contiguous");
   TORCH_CHECK(v_new.size(1) == kv_heads, "k_new and v_new must have the same heads");
   check_cache(k_cache, v_cache, kv_heads, d, q.scalar_type(), rows,
-              {&rows, &bases, &caps, &lens, &slots});
+              {&rows, &bases, &caps, &lens});
   TORCH_CHECK(k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
                   out.size(0) == q.size(0), "out, q, k_new and v_new must have one row count");
-  check_rows(rows, caps, lens, slots, q.size(0), k_cache);
+  std::vector<int64_t> first;
+  const Queries qs = check_rows(rows, query_lens, caps, lens, slots, q.size(0), k_cache, first);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim must be at most 256");
@@ -382,7 +457,7 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
     run<T>(ptr<T>(out), out.stride(0), out.stride(1), ptr<T>(q), q.stride(0), q.stride(1),
            ptr<T>(k_new), k_new.stride(0), k_new.stride(1), ptr<T>(v_new), v_new.stride(0),
            v_new.stride(1), heads, kv_heads, d, k_cache, v_cache, slots, rows, bases, caps,
-           lens, layer, scale, window, Rope{});
+           lens, qs, layer, scale, window, Rope{});
   };
   if (q.scalar_type() == at::kFloat)
     go(float{});
@@ -402,7 +477,8 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
                           int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
                           const at::Tensor& slots, const at::Tensor& rows,
                           const at::Tensor& bases, const at::Tensor& caps,
-                          const at::Tensor& lens, int64_t layer, double scale, int64_t window) {
+                          const at::Tensor& lens, int64_t layer, double scale, int64_t window,
+                          const std::optional<at::Tensor>& query_lens) {
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 &&
                   heads / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
@@ -416,8 +492,10 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
   TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
               "decode_attention_qkv runs in float32 or bfloat16");
   check_cache(k_cache, v_cache, kv_heads, d, qkv.scalar_type(), rows,
-              {&rows, &bases, &caps, &lens, &slots});
-  check_rows(rows, caps, lens, slots, qkv.size(0), k_cache);
+              {&rows, &bases, &caps, &lens});
+  std::vector<int64_t> first;
+  const Queries qs =
+      check_rows(rows, query_lens, caps, lens, slots, qkv.size(0), k_cache, first);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == qkv.size(0),
               "positions must be int64, one per token");
@@ -426,10 +504,11 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
                   cos.size(1) == d && sin.sizes() == cos.sizes(),
               "cos and sin must be contiguous float32 [max_pos, d]");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.size(0); ++i) {
-    const int64_t p = pos[rows.data_ptr<int64_t>()[i]];
-    TORCH_CHECK(p >= 0 && p < cos.size(0), "position out of the rotary tables' range");
-  }
+  for (int64_t b = 0; b < rows.size(0); ++b)
+    for (int64_t j = 0; j < qs.len(b); ++j) {
+      const int64_t p = pos[qs.row[b] + j];
+      TORCH_CHECK(p >= 0 && p < cos.size(0), "position out of the rotary tables' range");
+    }
   const Rope rope{pos, cos.data_ptr<float>(), sin.data_ptr<float>()};
   const int64_t s0 = qkv.stride(0);
   auto go = [&](auto tag) {
@@ -437,7 +516,7 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
     const T* x = ptr<T>(qkv);
     run<T>(ptr<T>(out), out.stride(0), d, x, s0, d, x + heads * d, s0, d,
            x + (heads + kv_heads) * d, s0, d, heads, kv_heads, d, k_cache, v_cache, slots,
-           rows, bases, caps, lens, layer, scale, window, rope);
+           rows, bases, caps, lens, qs, layer, scale, window, rope);
   };
   if (qkv.scalar_type() == at::kFloat)
     go(float{});
@@ -450,11 +529,12 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
 TORCH_LIBRARY(nvllm_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor rows, Tensor bases, "
-        "Tensor caps, Tensor lens, int layer, float scale, int window=0) -> ()");
+        "Tensor caps, Tensor lens, int layer, float scale, int window=0, "
+        "Tensor? query_lens=None) -> ()");
   m.def("decode_attention_qkv(Tensor(a!) out, Tensor qkv, Tensor positions, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slots, Tensor rows, Tensor bases, Tensor caps, Tensor lens, int layer, "
-        "float scale, int window=0) -> ()");
+        "float scale, int window=0, Tensor? query_lens=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) {
