@@ -18,10 +18,10 @@ read it: it counts that server's output tokens by re-tokenizing the text
 
 Prints, per round and as medians with ranges: output tok/s, median TTFT, TPOT and ITL,
 the ratio nvllm / llama.cpp, the RSS summed over each server's process tree (sampled once
-a second during the load; the last sample and the peak) and the weight bytes each side
-reports (nvllm's workers log ``nvllm/worker/quantize.py:weight_bytes``; llama.cpp logs
-its model buffer). ``scripts/serve_vs_llamacpp.sh`` builds llama.cpp and runs this; it
-holds ``/tmp/bench.lock`` while measuring.
+a second during the load; the last sample and the peak; the PSS beside it) and the weight
+bytes each side reports (nvllm's workers log ``nvllm/worker/quantize.py:weight_bytes``;
+llama.cpp logs its model buffer). ``scripts/serve_vs_llamacpp.sh`` builds llama.cpp and
+runs this; it holds ``/tmp/bench.lock`` while measuring.
 """
 
 from __future__ import annotations
@@ -63,38 +63,41 @@ def server_command(engine: str, args, port: int) -> list[str]:
             str(args.parallel), "-t", str(args.threads), "--cache-ram", "0", "--seed", "0"]
 
 
-def tree_rss(pid: int) -> int:
-    """Bytes of RSS summed over a process and all its descendants."""
+def tree_memory(pid: int) -> tuple[int, int]:
+    """Bytes of (RSS, PSS) summed over a process and all its descendants. RSS counts the
+    pages of a shared library once per process that maps it (torch in each of nvllm's
+    processes); PSS splits shared pages between their processes."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, 0
+    rss = pss = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+            m = p.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss, pss = rss + m.rss, pss + getattr(m, "pss", 0)
+    return rss, pss
 
 
 class RssSampler(threading.Thread):
-    """Samples tree_rss(pid) every second until stopped: the last sample is the RSS at the
-    end of the load, with the peak beside it."""
+    """Samples tree_memory(pid) every second until stopped: the last sample is the memory
+    at the end of the load, with the peak RSS beside it."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
-        self.pid, self.last, self.peak = pid, 0, 0
+        self.pid, self.last, self.last_pss, self.peak = pid, 0, 0, 0
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(1.0):
-            rss = tree_rss(self.pid)
+            rss, pss = tree_memory(self.pid)
             if rss:
-                self.last, self.peak = rss, max(self.peak, rss)
+                self.last, self.last_pss, self.peak = rss, pss, max(self.peak, rss)
 
 
 def weight_mib(engine: str, log_text: str) -> float | None:
@@ -152,7 +155,7 @@ def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
     return {"startup_s": startup, "output_tok_s": res["output_throughput"],
             "client_cpu_s": client_cpu, "duration_s": res["duration"],
             "output_tokens": res["total_output_tokens"], "rss_mib": sampler.last / 2**20,
-            "peak_rss_mib": sampler.peak / 2**20,
+            "peak_rss_mib": sampler.peak / 2**20, "pss_mib": sampler.last_pss / 2**20,
             "weight_mib": weight_mib(engine, log_path.read_text(errors="replace")),
             **{m: res[m] for m in METRICS}}
 
@@ -161,7 +164,8 @@ def describe(engine: str, x: dict) -> str:
     w = "?" if x["weight_mib"] is None else f"{x['weight_mib']:.1f}"
     return (f"{engine} {x['output_tok_s']:.0f} tok/s, TTFT {x['median_ttft_ms']:.0f} ms, "
             f"TPOT {x['median_tpot_ms']:.1f} ms, ITL {x['median_itl_ms']:.1f} ms, "
-            f"RSS {x['rss_mib']:.0f} MiB (peak {x['peak_rss_mib']:.0f}), weights {w} MiB, "
+            f"RSS {x['rss_mib']:.0f} MiB (peak {x['peak_rss_mib']:.0f}, PSS "
+            f"{x['pss_mib']:.0f}), weights {w} MiB, "
             f"{x['output_tokens']} tokens, client CPU {x['client_cpu_s']:.0f}/"
             f"{x['duration_s']:.0f} s")
 
@@ -180,7 +184,8 @@ def summarize(results: dict) -> None:
         ratio = rows["ratio"]
         print(f"  {key}: output tok/s ratio {statistics.median(ratio):.2f}x "
               f"({min(ratio):.2f}-{max(ratio):.2f})")
-        for k in ("output_tok_s", *METRICS, "rss_mib", "peak_rss_mib", "weight_mib"):
+        for k in ("output_tok_s", *METRICS, "rss_mib", "peak_rss_mib", "pss_mib",
+                  "weight_mib"):
             print(f"    {k}: {median_range(rows['nvllm'], k)} / "
                   f"{median_range(rows['llama.cpp'], k)}")
 
