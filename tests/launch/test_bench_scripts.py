@@ -99,10 +99,15 @@ def test_serve_vs_llamacpp_sizes_both_servers_alike():
     assert opt(nv, "--http-host") == opt(ll, "--host") == "127.0.0.1"
     assert ll[0] == "/l/llama-server" and opt(ll, "-t") == "2"
     log = "rank 0 holds 51.1 MiB of weights\nrank 1 holds 45.6 MiB of weights\n"
-    assert abs(peer.weight_mib("nvllm", log) - 96.7) < 1e-9
+    assert abs(peer.weight_mib("nvllm", log, "") - 96.7) < 1e-9
     assert peer.weight_mib("llama.cpp", "load_tensors:   CPU_Mapped model buffer size =    "
-                           "93.81 MiB\n") == 93.81
-    assert peer.weight_mib("nvllm", "") is None
+                           "93.81 MiB\n", "") == 93.81
+    assert peer.weight_mib("nvllm", "", "") is None
+    timing = ("slot print_timing: id 15 | task 0 | prompt eval time =  386.64 ms /   128 "
+              "tokens (3.02 ms per token)\nslot print_timing: id 15 | task 0 |        eval "
+              "time =    1139.95 ms /   127 tokens (8.98 ms per token)\n")
+    assert peer.server_tokens("llama.cpp", timing * 2) == 254
+    assert peer.server_tokens("nvllm", timing) is None
 
 
 def test_llamacpp_build_options_follow_the_cpu_flags():
