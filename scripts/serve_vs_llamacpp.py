@@ -167,15 +167,16 @@ def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
             res = json.loads((out / f"{tag}.json").read_text())
         finally:
             stop(proc)
-    if res.get("failed", 0):
-        raise RuntimeError(f"{res['failed']} requests failed against {engine}; see {log_path}")
+    if res.get("failed", 0):  # figures of the rest stand; the count is printed beside them
+        print(f"  {res['failed']} requests failed against {engine}; see {log_path}",
+              flush=True)
     log_text = log_path.read_text(errors="replace")
     # The client re-tokenizes llama-server's text (module doc): rescale its tok/s to the
     # tokens the server generated. TPOT stays as the client computed it; ITL is per chunk.
     served = server_tokens(engine, log_text) or res["total_output_tokens"]
     return {"startup_s": startup,
             "output_tok_s": res["output_throughput"] * served / res["total_output_tokens"],
-            "server_tokens": served,
+            "server_tokens": served, "failed": res.get("failed", 0),
             "client_cpu_s": client_cpu, "duration_s": res["duration"],
             "output_tokens": res["total_output_tokens"], "rss_mib": sampler.last / 2**20,
             "peak_rss_mib": sampler.peak / 2**20, "pss_mib": sampler.last_pss / 2**20,
