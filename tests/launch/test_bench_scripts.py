@@ -66,3 +66,61 @@ def test_pad_heads_gives_the_same_model_with_more_heads(tiny, tmp_path):
             a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
             b = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)(ids).logits
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_quant_quality_scores_every_position_and_orders_the_formats(tiny):
+    """scripts/quant_quality.py on tiny:qwen3: the reference matches itself exactly, int8
+    moves the distributions less than int4, and both hold fewer weight bytes."""
+    quant_quality = _script("quant_quality")
+    rows = {r.quantization: r for r in quant_quality.main(
+        ["--model", tiny("qwen3"), "--max-tokens", "24", "--no-fp8"])}
+    assert set(rows) == {"none", "int8", "int4"}
+    ref = rows["none"]
+    assert ref.kl_max == 0 and ref.top1 == 1 and ref.ppl_rel == 0
+    assert 0 < rows["int8"].kl_mean < rows["int4"].kl_mean
+    assert rows["int8"].weight_mib < ref.weight_mib and rows["int4"].weight_mib < ref.weight_mib
+    assert all(r.ppl > 0 for r in rows.values())
+
+
+def test_serve_vs_llamacpp_sizes_both_servers_alike():
+    """Both servers: the same file, 8,192 KV tokens, 512 per sequence, 127.0.0.1, and
+    nvllm's KV held once (no CPU mirror)."""
+    peer = _script("serve_vs_llamacpp")
+    args = peer.parse_args(["--concurrency", "16"])
+    args.gguf, args.llama_bin = "/m.gguf", pathlib.Path("/l")
+    nv = peer.server_command("nvllm", args, 8123)
+    ll = peer.server_command("llama.cpp", args, 8124)
+    opt = lambda cmd, k: cmd[cmd.index(k) + 1]  # noqa: E731
+    assert opt(nv, "--model") == opt(ll, "-m") == "/m.gguf"
+    kv = int(opt(nv, "--num-kv-blocks")) * int(opt(nv, "--block-size"))
+    assert kv == int(opt(ll, "-c")) == 8192
+    assert int(opt(nv, "--max-model-len")) == kv // int(opt(ll, "--parallel")) == 512
+    assert "--no-cpu-kv-mirror" in nv and opt(nv, "--quantization") == "auto"
+    assert opt(nv, "--http-host") == opt(ll, "--host") == "127.0.0.1"
+    assert ll[0] == "/l/llama-server" and opt(ll, "-t") == "2"
+    log = "rank 0 holds 51.1 MiB of weights\nrank 1 holds 45.6 MiB of weights\n"
+    assert abs(peer.weight_mib("nvllm", log, "") - 96.7) < 1e-9
+    assert peer.weight_mib("llama.cpp", "load_tensors:   CPU_Mapped model buffer size =    "
+                           "93.81 MiB\n", "") == 93.81
+    assert peer.weight_mib("nvllm", "", "") is None
+    timing = ("slot print_timing: id 15 | task 0 | prompt eval time =  386.64 ms /   128 "
+              "tokens (3.02 ms per token)\nslot print_timing: id 15 | task 0 |        eval "
+              "time =    1139.95 ms /   127 tokens (8.98 ms per token)\n")
+    assert peer.server_tokens("llama.cpp", timing * 2) == 254
+    assert peer.server_tokens("nvllm", timing) is None
+
+
+def test_llamacpp_build_options_follow_the_cpu_flags():
+    """Each ggml extension is on exactly when /proc/cpuinfo lists it; AMX only when asked;
+    a different set of options is a different cache folder."""
+    lp = _script("llamacpp_peer")
+    avx2 = lp.cmake_options({"avx", "avx2", "fma", "f16c", "bmi2"}, amx=False)
+    assert "-DGGML_NATIVE=OFF" in avx2 and "-DLLAMA_CURL=OFF" in avx2
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2
+    assert not any("AMX" in o for o in avx2)
+    full = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_int8"}
+    amx = lp.cmake_options(full, amx=True)
+    assert {"-DGGML_AVX512_BF16=ON", "-DGGML_AMX_INT8=ON", "-DGGML_AMX_BF16=OFF"} <= set(amx)
+    assert lp.build_dir(amx) != lp.build_dir(lp.cmake_options(full, amx=False))
+    sh = REPO / "scripts" / "serve_vs_llamacpp.sh"
+    assert subprocess.run(["bash", "-n", str(sh)]).returncode == 0
