@@ -37,6 +37,7 @@ import shlex
 import shutil
 import stat
 import tempfile
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -284,3 +285,50 @@ def curve_worker(sock: zmq.Socket, key_dir: str | os.PathLike) -> None:
     """Make a worker's socket (before connect) a CURVE client of the leader (DIR/server.key)
     with the workers' keypair DIR/worker.key_secret: the one key the worker sockets admit."""
     curve_client(sock, key_dir, Path(key_dir) / f"{WORKER_KEY}.key_secret")
+
+
+class ClientOutboxes(dict[bytes, deque[bytes]]):
+    """Frames a ROUTER socket could not hand to a client yet, per client, oldest first.
+
+    A server never blocks on one client and never drops a message silently: a frame the
+    client's ZMQ queue cannot take waits here (with ROUTER_MANDATORY set, a full queue
+    raises instead of dropping), and a client whose box grows past ``limit`` is the
+    caller's to evict. Shared by the leader's and the router's client endpoints."""
+
+    def __init__(self, sock: zmq.Socket, limit: int) -> None:
+        super().__init__()
+        self.sock = sock
+        self.limit = limit
+
+    def try_send(self, client: bytes, frame: bytes) -> bool:
+        """Send without blocking; False where the client cannot take it now."""
+        try:
+            self.sock.send_multipart([client, frame], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # its ZMQ queue is full: it reads slower than it is sent
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # not connected now (it may come back)
+                return False
+            raise
+
+    def send(self, client: bytes, frame: bytes, *, queue: bool = True) -> bool:
+        """Send now, or (``queue``) behind what the client has not taken yet; False when
+        its box has grown past the limit."""
+        box = self.get(client)
+        if box is None and self.try_send(client, frame):
+            return True
+        if not queue:
+            return True
+        if box is None:
+            box = self[client] = deque()
+        box.append(frame)
+        return len(box) <= self.limit
+
+    def flush(self) -> None:
+        """Send what waits, oldest first, as far as each client takes it."""
+        for client, box in list(self.items()):
+            while box and self.try_send(client, box[0]):
+                box.popleft()
+            if not box:
+                del self[client]

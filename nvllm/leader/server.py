@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,12 @@ from nvllm.common import trace
 from nvllm.common.client_decode import decode_client_frame
 from nvllm.common.client_limits import client_limits
 from nvllm.common.errors import EngineDeadError, Overloaded, RequestRejected
-from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
+from nvllm.common.zmq_utils import (
+    ClientOutboxes,
+    check_curve_bind,
+    curve_server,
+    make_socket,
+)
 from nvllm.leader.engine import LLMEngine
 from nvllm.leader.grammar import GrammarError
 from nvllm.leader.output_processor import EngineOutput
@@ -101,7 +106,7 @@ class EngineServer:
         self._last_sweep = time.monotonic()
         self._log_window = [0.0, 0]  # [window start, bad frames logged in it]
         # Messages a client could not take yet, in order; bounded by max_client_outbox.
-        self._outbox: dict[bytes, deque[bytes]] = {}
+        self._outbox = ClientOutboxes(self.sock, engine.config.max_client_outbox)
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
         # Submits whose text prompt is being tokenized off the loop, in arrival order.
         # Submits admitted once their long prompt is tokenized and/or their grammar is
@@ -122,34 +127,8 @@ class EngineServer:
         never drop a message silently (an overflowing client is evicted)."""
         if client in self._evicted:
             return
-        frame = cp.encode(msg)
-        box = self._outbox.get(client)
-        if box is None and self._try_send(client, frame):
-            return
-        if box is None:
-            box = self._outbox[client] = deque()
-        box.append(frame)
-        if len(box) > self.engine.config.max_client_outbox:
+        if not self._outbox.send(client, cp.encode(msg)):
             self._evict(client)
-
-    def _try_send(self, client: bytes, frame: bytes) -> bool:
-        try:
-            self.sock.send_multipart([client, frame], flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:  # its ZMQ queue is full: it reads slower than it is sent
-            return False
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:  # not connected now (it may come back)
-                return False
-            raise
-
-    def _flush(self) -> None:
-        """Send what waits in outboxes, oldest first, as far as each client takes it."""
-        for client, box in list(self._outbox.items()):
-            while box and self._try_send(client, box[0]):
-                box.popleft()
-            if not box:
-                del self._outbox[client]
 
     def _evict(self, client: bytes) -> None:
         """A client that stopped reading: a ROUTER cannot drop one peer, so its requests
@@ -198,7 +177,7 @@ class EngineServer:
         if client in self._evicted:
             frame = cp.encode(cp.Error(None, "evicted", "this client stopped reading its "
                                        "messages and was evicted; connect anew"))
-            self._try_send(client, frame)
+            self._outbox.try_send(client, frame)
             return
         self._last_seen[client] = time.monotonic()
         try:
@@ -431,12 +410,12 @@ class EngineServer:
         self._drain(0)
         deadline = time.monotonic() + FLUSH_ON_CLOSE_S  # final messages get out, boundedly
         while self._outbox and time.monotonic() < deadline:
-            self._flush()
+            self._outbox.flush()
             if self._outbox:
                 self._drain(10)
 
     def _step(self) -> None:
-        self._flush()
+        self._outbox.flush()
         swept = self._sweep_silent_clients()
         if self.dead is not None:
             return

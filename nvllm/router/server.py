@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,12 @@ import msgspec
 import zmq
 
 from nvllm.common import client_protocol as cp
-from nvllm.common.zmq_utils import check_curve_bind, curve_server, make_socket
+from nvllm.common.zmq_utils import (
+    ClientOutboxes,
+    check_curve_bind,
+    curve_server,
+    make_socket,
+)
 from nvllm.router.metrics import merge_expositions, router_exposition
 from nvllm.router.policy import (
     CacheAware,
@@ -130,7 +135,7 @@ class Router:
         self._flights: dict[int, _Flight] = {}  # the router's request id -> whose
         self._by_client: dict[bytes, dict[Any, int]] = defaultdict(dict)
         self._last_seen: dict[bytes, float] = {}
-        self._outbox: dict[bytes, deque[bytes]] = {}
+        self._outbox = ClientOutboxes(self.front, self.config.max_client_outbox)
         self._metrics_asks: list[_MetricsAsk] = []
         self._ids = itertools.count(1)
         self._last_sweep = time.monotonic()
@@ -179,41 +184,16 @@ class Router:
         for link in self.links:
             link.poll_health(now, self.config.replica_timeout_s)
         self._answer_metrics(now)
-        self._flush()
+        self._outbox.flush()
         self._sweep_silent_clients(now)
 
     # ---- to clients --------------------------------------------------------------------
 
     def _send(self, client: bytes, msg: Any) -> None:
         frame = cp.encode(msg) if isinstance(msg, cp.ServerMessage) else _ENCODE.encode(msg)
-        box = self._outbox.get(client)
-        if box is None and self._try_send(client, frame):
-            return
-        if isinstance(msg, cp.Pong):  # only news while it is fresh: never queued
-            return
-        if box is None:
-            box = self._outbox[client] = deque()
-        box.append(frame)
-        if len(box) > self.config.max_client_outbox:
+        # A pong is only news while it is fresh: never queued.
+        if not self._outbox.send(client, frame, queue=not isinstance(msg, cp.Pong)):
             self._evict(client)
-
-    def _try_send(self, client: bytes, frame: bytes) -> bool:
-        try:
-            self.front.send_multipart([client, frame], flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                return False
-            raise
-
-    def _flush(self) -> None:
-        for client, box in list(self._outbox.items()):
-            while box and self._try_send(client, box[0]):
-                box.popleft()
-            if not box:
-                del self._outbox[client]
 
     def _evict(self, client: bytes) -> None:
         """A client that stopped reading: its requests end on their replicas."""
