@@ -21,6 +21,7 @@ from nvllm import LLM, SamplingParams
 from nvllm.worker.gguf_weights import hf_name
 from nvllm.worker.layers.fp8 import Fp8Weight, quantize_fp8
 from nvllm.worker.layers.quant import QuantizedWeight, quantize
+from nvllm.worker.quantize import AT_LOAD
 from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
 from tests.support.int4_checkpoints import write_int4_checkpoint
 
@@ -30,14 +31,11 @@ MAX_TOKENS = 16
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time",
          "Quantized weights are read in groups of thirty-two values."]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FORMATS = {"int8": (8, False), "int4": (4, False)}
 
 
 def dequantized_checkpoint(model_dir: str, out: Path, mode: str) -> str:
     """model_dir with every linear weight replaced by quantize-then-dequantize of it (the
     values quantization=mode holds)."""
-    from nvllm.worker.layers.quant import QuantFormat
-
     shutil.copytree(model_dir, out)
     for f in out.glob("*.safetensors"):
         tensors = load_file(f)
@@ -47,7 +45,7 @@ def dequantized_checkpoint(model_dir: str, out: Path, mode: str) -> str:
                     qw = Fp8Weight(*w.shape)
                     qw.write(0, 0, *quantize_fp8(w))
                 else:
-                    fmt = QuantFormat(*FORMATS[mode])
+                    fmt = AT_LOAD[mode]
                     qw = QuantizedWeight(fmt, *w.shape)
                     qw.write(0, 0, *quantize(w, fmt))
                 tensors[name] = qw.dequantize(dtype=w.dtype)
