@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from nvllm.common.config import QUANTIZATIONS as MODES
+from nvllm.worker.fp8_checkpoint import QTYPE as FP8_QTYPE
 from nvllm.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nvllm.worker.layers.fp8 import FP8, Fp8Weight
 from nvllm.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -67,6 +68,8 @@ def _auto_format(qtypes: set[str]) -> QuantFormat | None:
     formats), or None (a float tensor, or AWQ mixed with anything)."""
     if qtypes and qtypes <= PACKED_CHECKPOINTS:
         return INT4_MIN32 if len(qtypes) == 1 else None
+    if qtypes == {FP8_QTYPE}:  # an fp8 checkpoint's linear: its e4m3 values as they are
+        return FP8
     if not qtypes or not qtypes <= set(HOME_FORMATS):
         return None
     homes = [HOME_FORMATS[t] for t in qtypes]
@@ -120,11 +123,13 @@ def _source_qtypes(model: nn.Module, source) -> dict[str, set[str]]:
 
 
 def _packed_checkpoint(source) -> bool:
-    """Whether an HF checkpoint is AWQ / GPTQ (its config says)."""
+    """Whether an HF checkpoint is AWQ / GPTQ or fp8 (its config says)."""
     from nvllm.worker.awq_gptq import checkpoint_quant_config
+    from nvllm.worker.fp8_checkpoint import fp8_checkpoint_config
 
-    return source.format == "hf" and \
-        checkpoint_quant_config(source.config_dir or source.path) is not None
+    folder = source.config_dir or source.path
+    return source.format == "hf" and (checkpoint_quant_config(folder) is not None
+                                      or fp8_checkpoint_config(folder) is not None)
 
 
 def plan(model: nn.Module, source, mode: str) -> dict[str, QuantFormat]:

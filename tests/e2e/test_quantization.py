@@ -3,8 +3,8 @@ those of the same model whose linear weights were replaced by their dequantized 
 (a checkpoint written here), at tp 1 and 2. Activations stay float32 in both (the
 kernels dequantize weights only), so the two runs differ only in float32 summation
 order. The real model's Q4_1 file kept quantized (the default, quantization=auto) is
-tests/e2e/test_real_model.py's HF comparison. An AWQ checkpoint and a GGUF file of
-K-quants, under quantization=auto, against their dequantized float models."""
+tests/e2e/test_real_model.py's HF comparison. An AWQ checkpoint, an fp8 checkpoint and a
+GGUF file of K-quants, under quantization=auto, against their dequantized float models."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from nvllm.worker.gguf_weights import hf_name
 from nvllm.worker.layers.fp8 import Fp8Weight, quantize_fp8
 from nvllm.worker.layers.quant import QuantizedWeight, quantize
 from nvllm.worker.quantize import AT_LOAD
+from tests.support.fp8_checkpoints import write_fp8_checkpoint
 from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
 from tests.support.int4_checkpoints import write_int4_checkpoint
 
@@ -89,6 +90,16 @@ def test_awq_checkpoint_greedy_equals_its_dequantized_float_checkpoint(qwen3_h25
     the same model with those linears' dequantized values as a float checkpoint."""
     packed, deq = write_int4_checkpoint(qwen3_h256, tmp_path / "awq", "awq")
     tok = hf_ref.hf_tokenizer(str(qwen3_h256))
+    prompts = [tok(t).input_ids for t in TEXTS]
+    assert greedy(str(packed), prompts, 1, "auto") == greedy(str(deq), prompts, 1, "none")
+
+
+def test_fp8_checkpoint_greedy_equals_its_dequantized_float_checkpoint(tiny, tmp_path):
+    """A vLLM-style fp8 checkpoint (per-tensor weight scales, static input scales) under
+    quantization=auto, its e4m3 bytes held as they are: token for token the greedy output
+    of the same model with those linears' values scale * q as a float checkpoint."""
+    packed, deq = write_fp8_checkpoint(tiny("qwen3"), tmp_path / "fp8")
+    tok = hf_ref.hf_tokenizer(str(packed))
     prompts = [tok(t).input_ids for t in TEXTS]
     assert greedy(str(packed), prompts, 1, "auto") == greedy(str(deq), prompts, 1, "none")
 
