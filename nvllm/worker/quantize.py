@@ -9,7 +9,7 @@ GPTQ exactly in ``int4+min32`` (an embedding and the LM head too where a GGUF fi
 them quantized), else that layer is dense (F16/F32, a float safetensors checkpoint);
 ``int8`` / ``int4`` quantize every linear layer (not the embedding or the LM head) at
 load, round-to-nearest per group of 32, asymmetric (a scale and a min per group:
-``AT_LOAD``); a packed tensor that fits the width
+``AT_LOAD``; MoE experts too: ``quantize_experts``); a packed tensor that fits the width
 (GGUF blocks with a min where the file has one, AWQ / GPTQ in int8 or int4+min32) is
 repacked instead. ``fp8`` quantizes them to e4m3 with a float32 scale per
 output channel (nvllm/worker/layers/fp8.py; no groups, so any shard of columns).
