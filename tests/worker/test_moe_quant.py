@@ -66,3 +66,25 @@ def test_experts_hold_each_expert_quantized(tmp_path, preset, fused, tp, ep, mod
                 d.experts.down_proj.data[e] = view.dequantize()
             x = torch.randn(7, cfg.hidden_size)
             torch.testing.assert_close(q.partial(x), d.partial(x), rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_experts_quantize_from_their_values(tiny, tmp_path):
+    """A GGUF file's stacked expert tensors (read per expert, as float values) quantize at
+    load to what the HF checkpoint's experts quantize to, at tp 2."""
+    from pathlib import Path
+
+    from nvllm.common.model_source import ModelSource
+    from tests.support.gguf_files import write_split_gguf
+
+    model_dir = Path(tiny("qwen3-moe"))
+    [path] = write_split_gguf(model_dir, "qwen3moe", tmp_path, parts=1)
+    source = ModelSource(str(path), "gguf", str(model_dir), str(model_dir), (str(path),))
+    cfg = AutoConfig.from_pretrained(model_dir)
+    for rank in range(2):
+        ours, ref = _model(cfg, rank, 2, False), _model(cfg, rank, 2, False)
+        assert "layers.0.mlp.experts" in quantize_model(ours, source, "int8")
+        quantize_model(ref, resolve_model_source(str(model_dir)), "int8")
+        load_weights(ours, source, show_progress=False)
+        load_weights(ref, model_dir, show_progress=False)
+        for e, view in enumerate(ours.layers[0].mlp.q13):
+            assert torch.equal(view.dequantize(), ref.layers[0].mlp.q13[e].dequantize())
