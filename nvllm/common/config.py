@@ -172,12 +172,14 @@ class EngineConfig:
                 "where the native ops build, else torch.",
         choices=ATTENTION_BACKENDS)
     quantization: str = _setting(
-        "auto", "Weights held quantized in groups of 32 (docs/quantization.md): auto keeps "
-                "a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks (other formats, and "
-                "safetensors, load as none); none dequantizes every weight to the run "
-                "dtype; int8/int4 quantize the linear layers at load (round-to-nearest, "
-                "symmetric); fp8 quantizes them to e4m3 with one scale per output "
-                "channel (as vLLM's fp8); embeddings and the LM head stay in the run dtype.",
+        "auto", "Weights held quantized (docs/quantization.md): auto keeps a packed "
+                "checkpoint's own format (a GGUF file's blocks, K-quants nearly; AWQ / "
+                "GPTQ 4-bit; an fp8 checkpoint's e4m3 weights; a float checkpoint loads as "
+                "none); none dequantizes every weight to the run dtype; int8/int4 quantize "
+                "the linear layers and MoE experts at load (round-to-nearest per group of "
+                "32, with a scale and a min per group); fp8 quantizes them to e4m3 with "
+                "one scale per output channel (as vLLM's fp8); embeddings and the LM head "
+                "stay in the run dtype (a tied head shares the embedding's copy).",
         choices=QUANTIZATIONS)
     cpu_kv_mirror: bool = _setting(
         True, "CPU, torch/cpu backends: keep each running sequence's K/V also contiguous (within "

@@ -10,22 +10,27 @@ adds them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, expert_start: int) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, expert_start: int,
+              linear: Callable[[torch.Tensor, Any], torch.Tensor] = F.linear) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, k],
     over this rank's experts only.
 
     x [T, H]; w13 [E_local, 2*I, H] (gate rows, then up rows); w2 [E_local, H, I];
     topk_ids [T, K] int64 global expert ids; topk_weights [T, K] float32. Returns [T, H] in
     x.dtype; the weighted sum is accumulated in float32 (each expert's matmuls run in the
-    weights' dtype, as HF's do).
+    weights' dtype, as HF's do). ``linear(x, w13[e])``: F.linear, or for experts held
+    quantized (w13 / w2 sequences of per-expert weights) a matmul of their own.
     """
     num_tokens, k = topk_ids.shape
-    num_local = w13.shape[0]
+    num_local = len(w13)
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     flat = topk_ids.reshape(-1) - expert_start
     pairs = ((flat >= 0) & (flat < num_local)).nonzero().squeeze(1)
@@ -40,8 +45,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     start = 0
     for e, n in enumerate(torch.bincount(experts, minlength=num_local).tolist()):
         if n:
-            gate, up = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
-            ys[start:start + n] = F.linear(F.silu(gate) * up, w2[e])
+            gate, up = linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+            ys[start:start + n] = linear(F.silu(gate) * up, w2[e])
             start += n
     out.index_add_(0, tokens, ys * weights[:, None])
     return out.to(x.dtype)

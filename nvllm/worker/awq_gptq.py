@@ -71,9 +71,12 @@ def checkpoint_quant_config(model_dir: str | Path) -> Int4CheckpointConfig | Non
     if cfg is None:
         return None
     method = str(cfg.get("quant_method", "")).lower()
+    if method == "fp8":
+        return None  # nvllm/worker/fp8_checkpoint.py reads it
     if method not in ("awq", "gptq"):
         raise ValueError(f"{d}: quantization_config.quant_method={method!r} is not supported; "
-                         "nvllm reads 4-bit awq and gptq checkpoints (or a float / GGUF one)")
+                         "nvllm reads 4-bit awq and gptq checkpoints, fp8 ones (or a float / "
+                         "GGUF one)")
     bits = cfg.get("bits", cfg.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{d}: a {bits}-bit {method} checkpoint; nvllm reads 4-bit only")

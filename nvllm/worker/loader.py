@@ -58,6 +58,11 @@ def _tensor_sources(source: ModelSource):
         packed = checkpoint_quant_config(source.config_dir or source.path)
         if packed is not None:  # AWQ / GPTQ: a module's tensors may span files
             return [(files[0], lambda: packed_int4_tensors(files, packed))]
+        from nvllm.worker.fp8_checkpoint import fp8_checkpoint_config, fp8_tensors
+
+        fp8 = fp8_checkpoint_config(source.config_dir or source.path)
+        if fp8 is not None:  # a weight and its scale may sit in different files too
+            return [(files[0], lambda: fp8_tensors(files, fp8))]
         return [(f, lambda f=f: _safetensors(f)) for f in files]
     from nvllm.worker.gguf_weights import gguf_tensors, open_gguf
 

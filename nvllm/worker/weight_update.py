@@ -47,7 +47,8 @@ class WeightUpdater:
         self.model = model
         self.hf_shapes = hf_shapes
         self.quantized = quantized
-        self.params = dict(model.named_parameters())
+        # every name, a tied head's shared parameter too (quantize.share_tied_head)
+        self.params = dict(model.named_parameters(remove_duplicate=False))
         self.update_id: int | None = None
         self.next_chunk = 0
         self.staged: dict[str, torch.Tensor] = {}

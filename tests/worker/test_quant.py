@@ -42,6 +42,7 @@ from nvllm.worker.loader import load_weights
 from nvllm.worker.models import MODEL_REGISTRY
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.quantize import (
+    AT_LOAD,
     load_quantized,
     quantize_model,
     share_tied_head,
@@ -102,6 +103,17 @@ def test_round_to_nearest_is_within_half_a_step_and_idempotent(fmt):
     again = QuantizedWeight(fmt, 16, 256)
     again.write(0, 0, *quantize(deq, fmt))
     assert torch.equal(again.dequantize(), deq)
+    if fmt.has_min:  # asymmetric: the step is the group's range / (2^bits - 1), not more
+        g = (w + 3 * (torch.arange(16) % 2)[:, None]).view(16, -1, GROUP)  # offset rows too
+        qw.write(0, 0, *quantize(g.view(16, 256), fmt))
+        lo, hi = g.amin(-1), g.amax(-1)
+        levels = (1 << fmt.bits) - 1
+        # fp16 rounding of the scale (2^-10 relative, rounded up) and of the min (up to
+        # 2^-11 |min|, shared by 127 steps in int8)
+        slack = (lo.abs() + hi.abs()) * 2.0 ** -16 + 2.0 ** -24
+        assert bool((qw.scales.float() <= (hi - lo) / levels * (1 + 2.0 ** -9) + slack).all())
+        err = (qw.dequantize().view_as(g) - g).abs()
+        assert bool((err <= qw.scales.float().unsqueeze(-1) / 2 * (1 + 1e-3) + 1e-7).all())
 
 
 def _random_quantized(fmt, n: int, k: int, gen) -> QuantizedWeight:
@@ -207,7 +219,7 @@ def test_float_checkpoint_quantized_at_load_and_uneven_groups_stay_dense(tiny):
     model_dir = Path(tiny("qwen3"))
     source = resolve_model_source(str(model_dir))
     cfg = AutoConfig.from_pretrained(model_dir)
-    for mode, fmt in (("int8", INT8), ("int4", INT4)):
+    for mode, fmt in AT_LOAD.items():
         for rank in range(2):
             ours, dense = _model(cfg, rank, 2), _model(cfg, rank, 2)
             done = quantize_model(ours, source, mode)
@@ -250,6 +262,29 @@ def test_tied_head_shares_the_embedding_blocks(tiny, tmp_path):
         assert model.lm_head.packed is model.embed_tokens.quant
         assert torch.equal(linear(x, model.lm_head), logits)
         assert before - weight_bytes(model) == model.embed_tokens.quant.nbytes()
+
+
+def test_tied_head_shares_the_dense_embedding_at_load(tiny):
+    """int8 at load keeps the embedding and a tied head dense: one parameter, read by
+    both (not repacked for oneDNN, which would drop the copy the embedding reads)."""
+    from nvllm.worker.layers.linear import pack_for_cpu
+
+    model_dir = Path(tiny("llama3"))  # tie_word_embeddings
+    source = resolve_model_source(str(model_dir))
+    cfg = AutoConfig.from_pretrained(model_dir)
+    for rank in range(2):
+        model = _model(cfg, rank, 2)
+        quantize_model(model, source, "int8")
+        load_weights(model, source, show_progress=False)
+        before = weight_bytes(model)
+        x = torch.randn(2, cfg.hidden_size)
+        logits = linear(x, model.lm_head)
+        assert share_tied_head(model)
+        assert model.lm_head.weight is model.embed_tokens.weight
+        assert before - weight_bytes(model) == model.embed_tokens.weight.nbytes
+        pack_for_cpu(model)
+        assert model.lm_head.packed is None and model.embed_tokens.weight.numel() > 0
+        assert torch.equal(linear(x, model.lm_head), logits)
 
 
 def test_real_file_held_quantized_within_1_15x_of_its_size(smollm2):

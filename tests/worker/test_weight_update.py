@@ -113,3 +113,14 @@ def test_quantized_layers_refuse_updates(tiny):
     runner.weights.stage(WeightChunk(2, 0, *_one(norm, torch.full((64,), 0.5))))
     runner.weights.commit(2)
     assert torch.equal(runner.model.norm.weight, torch.full((64,), 0.5))
+    # The tied embedding and head, dense and one parameter (quantize.share_tied_head):
+    # an update of the embedding is the head's too.
+    runner = _runner(tiny("llama3"), quantization="int8")  # tie_word_embeddings
+    model = runner.model
+    assert model.lm_head.weight is model.embed_tokens.weight
+    emb = "model.embed_tokens.weight"
+    new = torch.randn(model.embed_tokens.weight.shape)
+    runner.weights.stage(WeightChunk(3, 0, *_one(emb, new)))
+    runner.weights.commit(3)
+    assert torch.equal(model.embed_tokens.weight, new)
+    assert model.lm_head.weight is model.embed_tokens.weight

@@ -112,8 +112,9 @@ class Fp8Weight:
     def load(self, src, dim: int, start: int, end: int, dst_off: int,
              row_chunk: int) -> None:
         """A shard of a 2-D checkpoint tensor (rows [start, end) when dim is 0, else
-        columns) into this weight at dst_off along dim, quantized row_chunk rows at a
-        time; a column shard reads its rows whole for their absmax."""
+        columns) into this weight at dst_off along dim, row_chunk rows at a time: an fp8
+        checkpoint's e4m3 values and scales as stored (nvllm/worker/fp8_checkpoint.py),
+        else quantized (a column shard reads its rows whole for their absmax)."""
         shape = list(src.get_shape() if hasattr(src, "get_shape") else src.shape)
         if len(shape) != 2:
             raise ValueError(f"an fp8 layer loads 2-D tensors, not {shape}")
@@ -122,12 +123,18 @@ class Fp8Weight:
             raise ValueError(f"a [{n}, {k}] tensor does not fit a [{self.n}, {self.k}] fp8 "
                              "weight")
         r_start, r_end = (start, end) if dim == 0 else (0, n)
+        own = getattr(src, "fp8_rows", None)  # an fp8 checkpoint: its bytes as they are
+        cols = (0, k) if dim == 0 else (start, end)
         for a in range(r_start, r_end, row_chunk):
             b = min(r_end, a + row_chunk)
+            at = (dst_off + a - r_start, 0) if dim == 0 else (a, dst_off)
+            if own is not None:
+                q, s = own((a, b), cols)
+                self.write(*at, q.to(self.qweight.device), s.to(self.scales.device))
+                continue
             rows = torch.as_tensor(src[a:b, 0:k]).float()
             part = rows if dim == 0 else rows[:, start:end]
             q, s = quantize_fp8(part, rows.abs().amax(1))
-            at = (dst_off + a - r_start, 0) if dim == 0 else (a, dst_off)
             self.write(*at, q.to(self.qweight.device), s.to(self.scales.device))
 
 

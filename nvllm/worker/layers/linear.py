@@ -50,7 +50,8 @@ def pack_for_cpu(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         if getattr(m, "packed", False) is None and m.weight.dtype == torch.float32 \
-                and m.weight.device.type == "cpu":
+                and m.weight.device.type == "cpu" \
+                and not getattr(m, "shares_embedding", False):  # quantize.share_tied_head
             m.packed = m.weight.detach().to_mkldnn()
             m.weight.data = torch.empty(0, dtype=m.weight.dtype)
             n += 1

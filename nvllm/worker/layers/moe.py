@@ -14,14 +14,18 @@ all-reduce per layer the dense path has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvllm.kernels import moe as moe_kernels
 from nvllm.kernels import ops
 from nvllm.worker.parallel import TPContext, shard_range
+
+GROUP = 32  # nvllm/worker/layers/quant.py's group: a quantized weight's input columns
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
@@ -89,6 +93,10 @@ class SparseMoE(nn.Module):
             torch.empty(s.count, hidden_size, s.inter_size, dtype=dtype), requires_grad=False)
         self.experts.gate_up_proj.weight_loader = self.load_gate_up
         self.experts.down_proj.weight_loader = self.load_down
+        # Experts held quantized (quantize_experts): per local expert, a QuantizedWeight /
+        # Fp8Weight view of one stacked weight, else None (dense).
+        self.q13: list | None = None
+        self.q2: list | None = None
 
     def load_gate_up(self, param: nn.Parameter, src, shard_id: tuple[int, int] | None) -> None:
         """Per-expert gate (shard (e, 0)) or up (e, 1) [I, H], or the fused [E, 2I, H] or
@@ -96,6 +104,9 @@ class SparseMoE(nn.Module):
         rank's experts and rows."""
         s, inter = self.shard, self.intermediate
         if s.count == 0:
+            return
+        if self.q13 is not None:
+            self._load_quantized(self.q13, src, shard_id, 0, _shape(src)[-2] != 2 * inter)
             return
         if shard_id is not None:
             local = shard_id[0] - s.start
@@ -117,6 +128,10 @@ class SparseMoE(nn.Module):
         s = self.shard
         if s.count == 0:
             return
+        if self.q2 is not None:
+            self._load_quantized(self.q2, src, shard_id, 1,
+                                 _shape(src)[-2] != self.hidden_size)
+            return
         cols = slice(s.inter_start, s.inter_start + s.inter_size)
         if shard_id is not None:
             local = shard_id - s.start
@@ -132,8 +147,106 @@ class SparseMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted outputs, before the all-reduce."""
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        if self.q13 is not None or self.q2 is not None:  # the torch grouping, per expert
+            return moe_kernels.fused_moe(
+                x, self.q13 if self.q13 is not None else self.experts.gate_up_proj,
+                self.q2 if self.q2 is not None else self.experts.down_proj, ids,
+                weights.float(), self.shard.start, _expert_linear)
         return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids,
                              weights.float(), self.shard.start, self.backend)
 
+    def quantize_experts(self, make: Callable[[int, int], object], grouped: bool
+                         ) -> list[str]:
+        """Hold the experts' weights quantized (before loading): ``make(n, k)`` gives an
+        empty QuantizedWeight / Fp8Weight, one per projection stacking every local
+        expert's rows, each expert a view of its rows. gate_up's input is the hidden
+        size, down's this rank's intermediate columns: each is quantized where its input
+        columns are whole groups of 32 (``grouped``; fp8 has none: always), else stays
+        dense. Returns the parameter names held quantized."""
+        s, h = self.shard, self.hidden_size
+        done: list[str] = []
+        if s.count == 0:
+            return done
+        if not grouped or h % GROUP == 0:
+            self.q13 = self._hold("gate_up_proj", make(s.count * 2 * s.inter_size, h),
+                                  2 * s.inter_size)
+            done.append("gate_up_proj")
+        if not grouped or (s.inter_size % GROUP == 0 and s.inter_start % GROUP == 0):
+            self.q2 = self._hold("down_proj", make(s.count * h, s.inter_size), h)
+            done.append("down_proj")
+        return done
+
+    def _hold(self, name: str, qw, rows: int) -> list:
+        """qw in place of experts.<name> (its values as the parameter, its scales and mins
+        as buffers, so .to and weight_bytes see them); per-expert views of ``rows``."""
+        param = nn.Parameter(qw.qweight, requires_grad=False)
+        param.weight_loader = getattr(self.experts, name).weight_loader
+        param.quant = qw
+        setattr(self.experts, name, param)
+        self.experts.register_buffer(f"{name}_weight_scales", qw.scales, persistent=False)
+        if qw.mins is not None:
+            self.experts.register_buffer(f"{name}_weight_mins", qw.mins, persistent=False)
+        return [_row_view(qw, e * rows, (e + 1) * rows) for e in range(self.shard.count)]
+
+    def _load_quantized(self, views: list, src, shard_id, which: int,
+                        transposed: bool) -> None:
+        """One checkpoint tensor into the quantized experts (which: 0 gate_up, 1 down):
+        a per-expert tensor (shard id (e, half) / e) or the fused [E, ...] one, this
+        rank's experts and rows / columns only."""
+        from nvllm.worker.quantize import load_quantized
+
+        s, inter = self.shard, self.intermediate
+        if shard_id is not None:
+            e = shard_id[0] if which == 0 else shard_id
+            experts = [(e, src)] if 0 <= e - s.start < s.count else []
+        else:
+            experts = [(e, _ExpertSlice(src, e, transposed))
+                       for e in range(s.start, s.start + s.count)]
+        for e, one in experts:
+            view = views[e - s.start]
+            if which == 1:  # down [H, I]: this rank's intermediate columns
+                load_quantized(view, one, 1, s.inter_start, s.inter_start + s.inter_size, 0)
+                continue
+            halves = [shard_id[1]] if shard_id is not None else [0, 1]
+            for half in halves:  # gate / up [I, H]: this rank's intermediate rows
+                base = half * inter if shard_id is None else 0
+                load_quantized(view, one, 0, base + s.inter_start,
+                               base + s.inter_start + s.inter_size, half * s.inter_size)
+
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         return y  # no bias
+
+
+def _expert_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """One expert's x W^T: a dense weight (a projection left dense) or a quantized one."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w.matmul(x)
+
+
+def _row_view(qw, r0: int, r1: int):
+    """Rows [r0, r1) of a QuantizedWeight / Fp8Weight as one of the same type sharing its
+    storage (writes to the view land in qw)."""
+    view = object.__new__(type(qw))
+    view.fmt, view.n, view.k = qw.fmt, r1 - r0, qw.k
+    view.qweight, view.scales = qw.qweight[r0:r1], qw.scales[r0:r1]
+    view.mins = None if qw.mins is None else qw.mins[r0:r1]
+    return view
+
+
+class _ExpertSlice:
+    """Expert e of a fused [E, a, b] checkpoint tensor as a 2-D [rows, cols] source in
+    the layer's orientation (transposed: stored [E, cols, rows])."""
+
+    __slots__ = ("src", "e", "transposed")
+
+    def __init__(self, src, e: int, transposed: bool) -> None:
+        self.src, self.e, self.transposed = src, e, transposed
+
+    def get_shape(self) -> list[int]:
+        _, a, b = _shape(self.src)
+        return [b, a] if self.transposed else [a, b]
+
+    def __getitem__(self, index: tuple[slice, slice]) -> torch.Tensor:
+        rows, cols = index
+        if self.transposed:
+            return torch.as_tensor(self.src[self.e, cols, rows]).t()
+        return torch.as_tensor(self.src[self.e, rows, cols])

@@ -21,8 +21,8 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32 accumulation)
 for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
 (one native pass, or the torch reference ``dequantize`` without the native ops) and
-``torch.mm``. ``quantize`` is round-to-nearest per group, symmetric (no min), for float
-checkpoints quantized at load.
+``torch.mm``. ``quantize`` is round-to-nearest per group (asymmetric, over the group's
+range, in the ``+min`` formats), for float checkpoints quantized at load.
 
 Measured (``scripts/bench_quant_linear.py --threads 1``, SmolLM2-135M's shapes, this
 2-core AMD EPYC with AVX-512, microseconds, minimum of 5): at one row the native op reads
@@ -237,10 +237,14 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
 
 def quantize(w: torch.Tensor, fmt: QuantFormat
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Round-to-nearest per group of 32, symmetric: scale = absmax / 127 (int8) or / 7
-    (int4), rounded to fp16 before dividing so the stored scale is the one the integers
-    were rounded against. Returns (qweight, scales, None) in ``fmt`` (a +min format gets
-    mins of 0)."""
+    """Round-to-nearest per group of 32 into ``fmt``: (qweight, scales, mins or None).
+
+    Symmetric formats: scale = absmax / 127 (int8) or / 7 (int4), rounded to fp16 before
+    dividing so the stored scale is the one the integers were rounded against. ``+min``
+    formats: asymmetric over the group's range, as GGUF's Q4_1 / Q5_1 quantize (see
+    ``quantize_min``); every value within half a step of its group's stored scale."""
+    if fmt.has_min:
+        return quantize_min(w, fmt)
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
     qmax = 127 if fmt.bits == 8 else 7
@@ -248,10 +252,55 @@ def quantize(w: torch.Tensor, fmt: QuantFormat
     s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero group: q = 0, any scale
     q = torch.round(g / s.float().unsqueeze(-1)).clamp(-qmax - (fmt.bits == 4), qmax)
     q = q.reshape(n, k)
-    mins = torch.zeros_like(s) if fmt.has_min else None
     if fmt.bits == 8:
-        return q.to(torch.int8), s, mins
-    if fmt.has_min:  # value = s * q + min with q >= 0: shift by 8 steps of s
-        mins = (-8 * s.float()).to(torch.float16)
+        return q.to(torch.int8), s, None
     packed = pack_int4((q + 8).to(torch.uint8).numpy())
-    return torch.from_numpy(packed), s, mins
+    return torch.from_numpy(packed), s, None
+
+
+def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+    """The least fp16 >= x (x >= 0, float32), as float32."""
+    h = x.to(torch.float16)
+    h = torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, 65504)), h)
+    return h.float()
+
+
+def _fp16_down(x: torch.Tensor) -> torch.Tensor:
+    """The greatest fp16 <= x (float32), as float32."""
+    h = x.to(torch.float16)
+    h = torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -65504)), h)
+    return h.float()
+
+
+def quantize_min(w: torch.Tensor, fmt: QuantFormat
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest per group of 32 (a ``+min`` format), llama.cpp's Q4_1
+    rule widened to int8: the group's [lo, hi] in 2^bits - 1 steps, scale = (hi - lo) /
+    15 or / 255, value = scale * q + min.
+
+    Why asymmetric: a group's values rarely straddle zero evenly, and a symmetric grid
+    spends the levels on the far side of zero on nothing (up to half of them); at the same
+    bits this grid's step is (hi - lo) / 255 against absmax / 127.
+
+    Rounding the scale and min to fp16 must not push a value off the grid's ends (it
+    would clamp, with an error past half a step): the min is rounded down and the scale
+    up until the grid covers [lo, hi], so every value is within half a step of its
+    stored scale (plus float32 rounding), and no value clamps. int8 stores q - 128 (value
+    = scale * q8 + min, min = the grid's start + 128 scale, rounded down likewise)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    levels = (1 << fmt.bits) - 1
+    floor = torch.tensor(2.0 ** -24)  # fp16's least step: an all-equal group gets q = 0
+    if fmt.bits == 4:
+        m = _fp16_down(lo)
+        s = torch.maximum(_fp16_up((hi - m) / levels), floor)
+        q = torch.round((g - m.unsqueeze(-1)) / s.unsqueeze(-1)).clamp(0, levels)
+        packed = pack_int4(q.reshape(n, k).to(torch.uint8).numpy())
+        return torch.from_numpy(packed), s.half(), m.to(fmt.min_dtype)
+    s = torch.maximum(_fp16_up((hi - lo) / levels), floor)
+    m = _fp16_down(lo + 128 * s)  # the value of q8 = 0
+    # m <= lo + 128 s covers lo; widen s where rounding m down left hi past q8 = 127
+    s = torch.maximum(s, _fp16_up((hi - m) / 127))
+    q = torch.round((g - m.unsqueeze(-1)) / s.unsqueeze(-1)).clamp(-128, 127)
+    return q.reshape(n, k).to(torch.int8), s.half(), m.to(fmt.min_dtype)
