@@ -164,11 +164,20 @@ class Executor:
         if self.workers.dead is None:
             self.workers.broadcast(worker_protocol.AbortWeights(update_id))
 
-    def _weight_acks(self, update_id: int, chunk: int) -> str | None:
+    def weight_request(self, msg: Any, ident: int, chunk: int, timeout_s: float
+                       ) -> str | None:
+        """Send `msg` (a weight-source message) to every rank and wait, at most
+        `timeout_s` per answer, until each answered chunk `chunk` of `ident`; None, or
+        the first rank's refusal."""
+        self.workers.broadcast(msg)
+        return self._weight_acks(ident, chunk, timeout_s)
+
+    def _weight_acks(self, update_id: int, chunk: int, timeout_s: float | None = None
+                     ) -> str | None:
         errors: dict[int, str] = {}
         answered: set[int] = set()
         while len(answered) < self.workers.num_workers:
-            msg = self.workers.recv(self.config.step_timeout_s)
+            msg = self.workers.recv(timeout_s or self.config.step_timeout_s)
             if isinstance(msg, worker_protocol.WeightsAck) and msg.update_id == update_id \
                     and msg.chunk == chunk:
                 answered.add(msg.rank)

@@ -18,6 +18,7 @@ import itertools
 import logging
 from typing import TYPE_CHECKING
 
+from nvllm.common.cuda_ipc import push_ipc, wants_ipc
 from nvllm.common.weight_transfer import (
     DEFAULT_CHUNK_BYTES,
     NamedTensors,
@@ -118,9 +119,15 @@ class WeightSync:
         version = check_weight_version(weight_version)
         update_id = self.begin_weight_update()
         try:
-            push_weights(named_tensors, lambda k, names, dtypes, refs: self.stage_weights(
-                update_id, k, names, dtypes, refs), chunk_bytes,
-                shared_memory=self.executor.plan_writer is not None)
+            def stage(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
+                self.stage_weights(update_id, k, names, dtypes, refs)
+
+            ipc, named_tensors = wants_ipc(named_tensors)
+            if ipc:  # CUDA tensors: each rank copies from them by IPC handle
+                push_ipc(named_tensors, stage, chunk_bytes)
+            else:
+                push_weights(named_tensors, stage, chunk_bytes,
+                             shared_memory=self.executor.plan_writer is not None)
         except BaseException:
             self.abort_weight_update(update_id)
             raise

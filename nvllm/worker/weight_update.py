@@ -26,9 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from nvllm.common.cuda_ipc import is_ipc_ref
 from nvllm.common.transport import ArrayReader, ArrayRef, BadRef
 from nvllm.common.weight_transfer import WIRE_DTYPES, WeightUpdateError
 from nvllm.common.worker_protocol import WeightChunk
+from nvllm.worker.ipc_weights import stage_ipc
 from nvllm.worker.loader import _default_loader
 
 logger = logging.getLogger(__name__)
@@ -69,32 +71,46 @@ class WeightUpdater:
             self.abort(msg.update_id)
             raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
 
-    def _stage(self, msg: WeightChunk) -> None:
-        if msg.chunk == 0:
+    def begin_chunk(self, update_id: int, chunk: int) -> None:
+        """Start staging chunk `chunk` of `update_id` (chunk 0 drops an update never
+        committed); WeightUpdateError when it comes out of order. Every source (the ring,
+        CUDA IPC, a process group, a checkpoint path) stages through this."""
+        if chunk == 0:
             self.abort(self.update_id)  # an older update never committed: abandoned
-            self.update_id, self.next_chunk = msg.update_id, 0
-            self.reader = ArrayReader()
-        if msg.update_id != self.update_id or msg.chunk != self.next_chunk:
-            raise WeightUpdateError(f"chunk {msg.chunk} of update {msg.update_id} out of "
+            self.update_id, self.next_chunk = update_id, 0
+        if update_id != self.update_id or chunk != self.next_chunk:
+            raise WeightUpdateError(f"chunk {chunk} of update {update_id} out of "
                                     f"order (expected chunk {self.next_chunk} of update "
                                     f"{self.update_id})")
+
+    def _stage(self, msg: WeightChunk) -> None:
+        self.begin_chunk(msg.update_id, msg.chunk)
+        if self.reader is None:
+            self.reader = ArrayReader()
         if not len(msg.names) == len(msg.dtypes) == len(msg.refs):
             raise WeightUpdateError("a weight chunk needs one dtype and one ref per name")
         for name, dtype, ref in zip(msg.names, msg.dtypes, msg.refs):
-            self._stage_one(name, dtype, ArrayRef.decode(ref))
+            if is_ipc_ref(ref):  # a trainer's CUDA memory, by handle
+                stage_ipc(self, name, dtype, ref)
+            else:
+                self._stage_one(name, dtype, ArrayRef.decode(ref))
         self.next_chunk += 1
 
-    def _source(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+    def check_shape(self, name: str, shape: tuple[int, ...] | list[int]) -> None:
+        """WeightUpdateError unless `name` is a checkpoint tensor of exactly `shape`."""
         want = self.hf_shapes.get(name)
         if want is None:
             raise WeightUpdateError(f"{name} is not a tensor of this model's checkpoint "
                                     "(names are the HF checkpoint's, e.g. "
                                     "model.layers.0.self_attn.q_proj.weight)")
+        if tuple(shape) != tuple(want):
+            raise WeightUpdateError(f"{name}: shape {list(shape)} does not match the "
+                                    f"checkpoint's {list(want)}")
+
+    def _source(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+        self.check_shape(name, ref.shape)
         if WIRE_DTYPES.get(dtype) != ref.dtype:
             raise WeightUpdateError(f"{name}: dtype {dtype} sent as {ref.dtype}")
-        if tuple(ref.shape) != tuple(want):
-            raise WeightUpdateError(f"{name}: shape {list(ref.shape)} does not match the "
-                                    f"checkpoint's {list(want)}")
         arr = self.reader.get(ref)
         with warnings.catch_warnings():  # read-only view: the loaders only read it
             warnings.simplefilter("ignore", UserWarning)
@@ -102,7 +118,12 @@ class WeightUpdater:
         return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
     def _stage_one(self, name: str, dtype: str, ref: ArrayRef) -> None:
-        src = self._source(name, dtype, ref)
+        self.stage_source(name, self._source(name, dtype, ref))
+
+    def stage_source(self, name: str, src) -> None:
+        """Stage this rank's shard of HF tensor `name` from `src` (a tensor, or a lazy
+        slice the loaders index), cut by the parameter's own weight_loader; the caller
+        checked its shape."""
         for pname, shard_id in self.model.param_for(name):
             param = self.params.get(pname)
             if param is None:
