@@ -273,9 +273,10 @@ class Client(WeightSourceClient):
         ipc, named_tensors = choose_ipc(named_tensors, cuda_ipc)
         shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
 
-        def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
-            self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs),
-                          cp.WeightsStaged)
+        def send(k: int, names: list[str], dtypes: list[str], refs: list[list],
+                 rows: list[int] | None) -> None:
+            self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs,
+                                          rows=rows), cp.WeightsStaged)
 
         try:
             if ipc:
@@ -496,9 +497,10 @@ class AsyncClient(AsyncWeightSourceClient):
         shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
         loop = asyncio.get_running_loop()
 
-        def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
+        def send(k: int, names: list[str], dtypes: list[str], refs: list[list],
+                 rows: list[int] | None) -> None:
             asyncio.run_coroutine_threadsafe(self._request(cp.WeightsChunk(
-                chunk=k, names=names, dtypes=dtypes, refs=refs)), loop).result()
+                chunk=k, names=names, dtypes=dtypes, refs=refs, rows=rows)), loop).result()
 
         try:
             if ipc:

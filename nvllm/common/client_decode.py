@@ -126,6 +126,8 @@ def _weight_types() -> tuple[type, ...]:
         names: Annotated[list[name], many]  # type: ignore[valid-type]
         dtypes: Annotated[list[Literal["float32", "float16", "bfloat16"]], many]
         refs: Annotated[list[Annotated[list[Any], Meta(max_length=6)]], many]
+        rows: Annotated[list[Annotated[int, Meta(ge=0, le=INT64_MAX)]], Meta(
+            min_length=2, max_length=2)] | None = None
         v: Literal[1] = 1
 
     class WeightsCommit(msgspec.Struct, tag_field="op", tag="weights_commit"):
@@ -264,8 +266,11 @@ def _weights_chunk(frame: Any) -> cp.WeightsChunk:
         if total > wt.MAX_CHUNK_BYTES:
             raise bad(f"weights_chunk: over {wt.MAX_CHUNK_BYTES} bytes of tensors in one "
                       "chunk: send smaller chunks")
+    if frame.rows is not None and len(frame.names) != 1:
+        raise bad("weights_chunk: a chunk with `rows` holds one tensor's rows")
     return cp.WeightsChunk(chunk=frame.chunk, names=list(frame.names),
-                           dtypes=list(frame.dtypes), refs=[list(r) for r in frame.refs])
+                           dtypes=list(frame.dtypes), refs=[list(r) for r in frame.refs],
+                           rows=None if frame.rows is None else list(frame.rows))
 
 
 def _unreadable(e: Exception, payload: bytes) -> cp.ClientProtocolError:

@@ -103,6 +103,7 @@ class WeightsChunk(ClientMessage, tag="weights_chunk"):
     names: list[str]
     dtypes: list[str]
     refs: list[list]
+    rows: list[int] | None = None  # [first, total]: one tensor's rows first.. (a piece)
     OP: ClassVar[str] = "weights_chunk"
 
 

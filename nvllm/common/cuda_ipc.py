@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from nvllm.common.weight_transfer import (
     MAX_TENSORS_PER_CHUNK,
     WIRE_DTYPES,
     NamedTensors,
+    SendChunk,
     WeightUpdateError,
     check_name,
 )
@@ -167,15 +168,14 @@ def ipc_chunks(named_tensors: NamedTensors, chunk_bytes: int
         yield names, dtypes, refs, keep
 
 
-def push_ipc(named_tensors: NamedTensors, send: Callable[[int, list[str], list[str],
-                                                          list[list]], None],
+def push_ipc(named_tensors: NamedTensors, send: SendChunk,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, int]:
     """Hand each chunk's (ordinal, names, dtypes, IPC refs) to `send`, which returns once
     every rank copied its shard and closed the handles; the tensors are referenced until
     then. Returns (tensors, bytes) shared."""
     num = total = 0
     for k, (names, dtypes, refs, keep) in enumerate(ipc_chunks(named_tensors, chunk_bytes)):
-        send(k, names, dtypes, refs)
+        send(k, names, dtypes, refs, None)
         num += len(names)
         total += sum(IpcRef.decode(r).extent(ITEM_BYTES[d]) for r, d in zip(refs, dtypes))
         keep.clear()  # answered: every rank closed its handles

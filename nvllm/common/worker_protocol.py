@@ -254,6 +254,9 @@ class WeightChunk(Struct, array_like=True, forbid_unknown_fields=True, tag=5):
     names: list[str]
     dtypes: list[str]
     refs: list[list]
+    # A chunk of one tensor's rows [first, total) (a tensor over chunk_bytes is sent in
+    # row ranges); None: whole tensors.
+    rows: list[NonNeg] | None = None
     KIND: ClassVar[int] = 5
 
 

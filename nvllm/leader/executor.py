@@ -147,11 +147,11 @@ class Executor:
     # ---- weight updates ---------------------------------------------------------------
 
     def stage_weights(self, update_id: int, chunk: int, names: list[str], dtypes: list[str],
-                      refs: list[list]) -> str | None:
+                      refs: list[list], rows: list[int] | None = None) -> str | None:
         """Send one chunk of a weight update to every rank and wait until each has staged
         it (and stopped reading its memory); None, or the first rank's refusal."""
         self.workers.broadcast(worker_protocol.WeightChunk(update_id, chunk, names, dtypes,
-                                                           refs))
+                                                           refs, rows))
         return self._weight_acks(update_id, chunk)
 
     def commit_weights(self, update_id: int) -> str | None:

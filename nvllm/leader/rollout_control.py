@@ -86,7 +86,8 @@ class RolloutControl:
                 eng.stage_from_group(self.update_id, msg.chunk, msg.names, msg.dtypes,
                                      msg.shapes)
                 return srv._send(client, cp.DistributedStaged(msg.chunk))
-            eng.stage_weights(self.update_id, msg.chunk, msg.names, msg.dtypes, msg.refs)
+            eng.stage_weights(self.update_id, msg.chunk, msg.names, msg.dtypes, msg.refs,
+                              msg.rows)
             return srv._send(client, cp.WeightsStaged(msg.chunk))
         if isinstance(msg, cp.WeightsCommit):
             if not self._owns(client):

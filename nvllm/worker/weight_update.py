@@ -54,6 +54,8 @@ class WeightUpdater:
         self.next_chunk = 0
         self.staged: dict[str, torch.Tensor] = {}
         self.reader: ArrayReader | None = None
+        # A tensor arriving in row ranges: (name, its full buffer, rows filled so far).
+        self.partial: tuple[str, torch.Tensor, int] | None = None
 
     @property
     def staged_bytes(self) -> int:
@@ -89,6 +91,13 @@ class WeightUpdater:
             self.reader = ArrayReader()
         if not len(msg.names) == len(msg.dtypes) == len(msg.refs):
             raise WeightUpdateError("a weight chunk needs one dtype and one ref per name")
+        if msg.rows is not None:
+            self._stage_rows(msg)
+            self.next_chunk += 1
+            return
+        if self.partial is not None:
+            raise WeightUpdateError(f"{self.partial[0]} arrived only in part (rows up to "
+                                    f"{self.partial[2]})")
         for name, dtype, ref in zip(msg.names, msg.dtypes, msg.refs):
             if is_ipc_ref(ref):  # a trainer's CUDA memory, by handle
                 stage_ipc(self, name, dtype, ref)
@@ -107,8 +116,36 @@ class WeightUpdater:
             raise WeightUpdateError(f"{name}: shape {list(shape)} does not match the "
                                     f"checkpoint's {list(want)}")
 
+    def _stage_rows(self, msg: WeightChunk) -> None:
+        """One piece of a tensor sent in row ranges: copied into a full-size buffer (one
+        tensor, in the sender's dtype), staged once its last row arrived."""
+        if len(msg.names) != 1 or len(msg.rows) != 2:
+            raise WeightUpdateError("a chunk with rows holds one tensor and [first, total]")
+        name, dtype, ref = msg.names[0], msg.dtypes[0], ArrayRef.decode(msg.refs[0])
+        first, total = msg.rows
+        if not ref.shape or first + ref.shape[0] > total:
+            raise WeightUpdateError(f"{name}: rows {first}.. of {total} do not fit")
+        self.check_shape(name, (total, *ref.shape[1:]))
+        src = self._tensor(name, dtype, ref)
+        if first == 0:
+            if self.partial is not None:
+                raise WeightUpdateError(f"{self.partial[0]} arrived only in part")
+            self.partial = (name, torch.empty((total, *src.shape[1:]), dtype=src.dtype), 0)
+        part = self.partial
+        if part is None or part[0] != name or part[2] != first:
+            raise WeightUpdateError(f"{name}: rows from {first} out of order")
+        part[1][first:first + src.shape[0]].copy_(src)
+        self.partial = (name, part[1], first + src.shape[0])
+        if self.partial[2] == total:
+            self.partial = None
+            self.stage_source(name, part[1])
+
     def _source(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
         self.check_shape(name, ref.shape)
+        return self._tensor(name, dtype, ref)
+
+    def _tensor(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+        """The ring region `ref` as a read-only tensor of torch dtype `dtype`."""
         if WIRE_DTYPES.get(dtype) != ref.dtype:
             raise WeightUpdateError(f"{name}: dtype {dtype} sent as {ref.dtype}")
         arr = self.reader.get(ref)
@@ -166,6 +203,10 @@ class WeightUpdater:
         if update_id != self.update_id:
             raise WeightUpdateError(f"commit of update {update_id}, but update "
                                     f"{self.update_id} is staged")
+        if self.partial is not None:
+            name, rows = self.partial[0], self.partial[2]
+            self.abort(update_id)
+            raise WeightUpdateError(f"{name} arrived only in part (rows up to {rows})")
         staged, self.staged = self.staged, {}
         with torch.no_grad():
             for pname, value in staged.items():
@@ -185,6 +226,7 @@ class WeightUpdater:
         """Drop what was staged for `update_id` (a no-op for any other)."""
         if update_id is not None and update_id == self.update_id:
             self.staged = {}
+            self.partial = None
             self._close()
 
     def _close(self) -> None:

@@ -32,11 +32,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _trainer(port: int, world: int, folder, mode: str) -> subprocess.Popen:
+def _trainer(port: int, world: int, *folders) -> subprocess.Popen:
     """The trainer, rank 0 of the group, in a process of its own (group_trainer.py)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     return subprocess.Popen([sys.executable, str(SUPPORT / "group_trainer.py"), str(port),
-                             str(world), str(folder), mode], env=env,
+                             str(world), *map(str, folders)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -55,31 +55,26 @@ def _finish(proc: subprocess.Popen, code: int) -> None:
 
 
 def test_group_and_path_updates_at_tp1(ckpts, tiny):  # noqa: F811
-    """tp=1, offline: a trainer dies mid-broadcast (A stays), another pushes B over the
-    group; from a path: a missing one and another architecture are refused, A's folder
-    brings A back."""
+    """tp=1, offline: a trainer process pushes B over the group, then dies in the middle
+    of pushing A (B stays, the group is closed); from a path: a missing one and another
+    architecture are refused, A's folder brings A back."""
     folder, a, b, b_dir = ckpts
     with LLM(folder, device="cpu", dtype="float32", block_size=8) as llm:
         assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "A", a)
         port = _port()
-        dying = _trainer(port, 2, b_dir, "die")
-        llm.init_weight_update_group("127.0.0.1", port, 1, 2, timeout_s=30)
-        with pytest.raises(WeightUpdateError, match="broadcast of .* failed"):
-            llm.update_weights_from_distributed(*_specs(b), weight_version="never")
-        _finish(dying, 3)
-        assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "A", a)
-        assert llm.weight_version is None
-        with pytest.raises(WeightUpdateError, match="init_weight_update_group first"):
-            llm.update_weights_from_distributed(*_specs(b))  # the failure closed it
-
-        port = _port()
-        trainer = _trainer(port, 2, b_dir, "update")
+        trainer = _trainer(port, 2, b_dir, folder)
         llm.init_weight_update_group("127.0.0.1", port, 1, 2, timeout_s=30)
         assert llm.update_weights_from_distributed(*_specs(b), weight_version="B") == "B"
-        _finish(trainer, 0)
         outs = _run(llm)
         assert [o.token_ids for o in outs] == hf_refs(folder, "B", b)
         assert all(o.weight_version == "B" for o in outs)
+        with pytest.raises(WeightUpdateError, match="broadcast of .* failed"):
+            llm.update_weights_from_distributed(*_specs(a), weight_version="never")
+        _finish(trainer, 3)
+        assert [o.token_ids for o in _run(llm)] == hf_refs(folder, "B", b)
+        assert llm.weight_version == "B"
+        with pytest.raises(WeightUpdateError, match="init_weight_update_group first"):
+            llm.update_weights_from_distributed(*_specs(a))  # the failure closed it
 
         with pytest.raises(WeightUpdateError, match="no config.json"):
             llm.update_weights_from_path(str(b_dir) + "-missing")
@@ -113,7 +108,7 @@ def test_served_group_path_and_cuda_ipc_at_tp2(ckpts, monkeypatch, procs):  # no
                                             "ignore_eos": True}) for p in PROMPTS]
 
             port = _port()
-            trainer = _trainer(port, 3, b_dir, "update")
+            trainer = _trainer(port, 3, b_dir)
             client.init_weight_update_group("127.0.0.1", port, 1, 3, timeout_s=30)
             assert client.update_weights_from_distributed(*_specs(b), weight_version=1) == 1
             _finish(trainer, 0)

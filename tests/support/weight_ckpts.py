@@ -74,3 +74,32 @@ def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[lis
     return _REFS[label]
 
 
+
+
+def tensors_of(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint folder, by HF name."""
+    return _tensors(folder)
+
+
+def runner_on(folder: str, **kw):
+    """A tp=1 CPU ModelRunner on `folder`, without an engine."""
+    from nvllm.common.config import EngineConfig
+    from nvllm.worker.model_runner import ModelRunner
+    from nvllm.worker.parallel import TPContext
+
+    cfg = EngineConfig(folder, device="cpu", dtype="float32", max_model_len=64,
+                       **kw).finalize()
+    return ModelRunner(cfg, TPContext(), torch.device("cpu"))
+
+
+def held_params(runner) -> dict[str, torch.Tensor]:
+    """Every parameter as the layers hold it (a oneDNN-packed weight unpacked)."""
+    out = {}
+    for name, p in runner.model.named_parameters():
+        module = runner.model.get_submodule(name.rsplit(".", 1)[0])
+        packed = getattr(module, "packed", None)
+        if p.numel() == 0 and isinstance(packed, torch.Tensor):
+            out[name] = packed.to_dense().clone()
+        else:
+            out[name] = p.detach().clone()
+    return out
