@@ -7,8 +7,9 @@ The leader moves no tensor here: it sends each rank what to receive or read, and
 for every rank to have staged it (nvllm/worker/weight_sources.py); only then does the
 commit of weight_sync.py apply it everywhere. A refusal or a failure on any rank (a
 trainer that dies mid-broadcast, a wrong path or architecture) aborts the staging on every
-rank: the old weights stay. Every wait is bounded: joining and receiving by the group's
-``timeout_s`` on the workers, the leader by that plus a margin.
+rank: the old weights stay. Every wait is bounded: joining (about twice the group's
+``timeout_s``: torch's store client tries twice) and each receive (``timeout_s``) on the
+workers, the leader by the sum of those plus a margin.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class WeightSources:
         error = self.executor.weight_request(
             wp.InitWeightGroup(group_id, master_address, master_port, rank_offset,
                                world_size, group_name, backend, float(timeout_s)),
-            group_id, INIT_CHUNK, timeout_s + ACK_MARGIN_S)
+            # torch's store client tries twice before it gives up: up to about 2 x timeout_s
+            group_id, INIT_CHUNK, 2 * timeout_s + ACK_MARGIN_S)
         self._group_timeout_s = None if error else float(timeout_s)
         if error is not None:
             raise WeightUpdateError(f"init_weight_update_group failed: {error}")
@@ -102,16 +104,20 @@ class WeightSources:
         """Have every rank receive and stage one chunk of broadcasts; WeightUpdateError
         (the update aborted on every rank) when any failed."""
         timeout_s = getattr(self, "_group_timeout_s", None)
-        if timeout_s is None:
-            raise WeightUpdateError("no weight-update group: call init_weight_update_group "
-                                    "first (a failed broadcast closes the group)")
-        check_tensor_specs(names, dtypes, shapes)
         try:
+            if timeout_s is None:
+                raise WeightUpdateError("no weight-update group: call "
+                                        "init_weight_update_group first (a failed or "
+                                        "refused update closes the group)")
+            check_tensor_specs(names, dtypes, shapes)
             self._stage_request(update_id, wp.WeightsFromGroup(
                 update_id, chunk, list(names), list(dtypes), [list(s) for s in shapes]),
-                chunk, timeout_s + ACK_MARGIN_S)
+                chunk, timeout_s * max(1, len(names)) + ACK_MARGIN_S)  # each receive's bound
         except WeightUpdateError:
-            self._group_timeout_s = None  # every rank closed its side of the group
+            # The trainer's broadcasts are no longer matched by receives: the group is
+            # spent (the ranks closed their side, or will replace it at the next init).
+            self._group_timeout_s = None
+            self.abort_weight_update(update_id)
             raise
 
     def update_weights_from_path(self: LLMEngine, path: str,
