@@ -288,6 +288,9 @@ class WeightsAck(Struct, array_like=True, forbid_unknown_fields=True, tag=13):
     KIND: ClassVar[int] = 13
 
 
+INIT_GROUP_CHUNK = -2  # the WeightsAck chunk that answers an InitWeightGroup
+
+
 class InitWeightGroup(Struct, array_like=True, forbid_unknown_fields=True, tag=20):
     """Join a trainer's weight-update process group as rank ``rank_offset + rank``
     (init_weight_update_group; nvllm/worker/weight_group.py), waiting at most

@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_GROUP_NAME = "weight_update_group"
 DEFAULT_GROUP_TIMEOUT_S = 60.0
 ACK_MARGIN_S = 30.0  # the leader waits this much longer than the workers may
-INIT_CHUNK = -2  # the WeightsAck chunk that answers an InitWeightGroup
 _group_ids = itertools.count(1)
 
 
@@ -72,7 +71,7 @@ class WeightSources:
             wp.InitWeightGroup(group_id, master_address, master_port, rank_offset,
                                world_size, group_name, backend, float(timeout_s)),
             # torch's store client tries twice before it gives up: up to about 2 x timeout_s
-            group_id, INIT_CHUNK, 2 * timeout_s + ACK_MARGIN_S)
+            group_id, wp.INIT_GROUP_CHUNK, 2 * timeout_s + ACK_MARGIN_S)
         self._group_timeout_s = None if error else float(timeout_s)
         if error is not None:
             raise WeightUpdateError(f"init_weight_update_group failed: {error}")

@@ -25,7 +25,6 @@ from nvllm.worker.weight_update import TORCH_DTYPES, WeightUpdater
 logger = logging.getLogger(__name__)
 
 MESSAGES = (wp.InitWeightGroup, wp.WeightsFromGroup, wp.WeightsFromPath)
-INIT_CHUNK = -2  # the WeightsAck chunk that answers an InitWeightGroup
 
 
 class WeightSources:
@@ -38,7 +37,7 @@ class WeightSources:
     def handle(self, msg: Any) -> wp.WeightsAck:
         """One message; the answer the leader waits for (with the reason on refusal)."""
         if isinstance(msg, wp.InitWeightGroup):
-            return self._ack(msg.group_id, INIT_CHUNK, self._join, msg)
+            return self._ack(msg.group_id, wp.INIT_GROUP_CHUNK, self._join, msg)
         if isinstance(msg, wp.WeightsFromGroup):
             return self._ack(msg.update_id, msg.chunk, self._staged, self._from_group, msg)
         return self._ack(msg.update_id, msg.chunk, self._staged, self._from_path, msg)

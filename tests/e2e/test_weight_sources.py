@@ -6,6 +6,7 @@ leave the old weights in force. Checkpoints and HF references are test_weight_up
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import socket
@@ -17,7 +18,7 @@ import torch
 from served import serve, teardown
 from weight_ckpts import PROMPTS, _run, ckpts, hf_refs  # noqa: F401 (a fixture)
 
-from nvllm import LLM, Client
+from nvllm import LLM, AsyncClient, Client
 from nvllm.common.weight_transfer import WeightUpdateError
 
 pytestmark = pytest.mark.e2e
@@ -86,7 +87,8 @@ def test_group_and_path_updates_at_tp1(ckpts, tiny):  # noqa: F811
 
 
 def test_served_group_path_and_cuda_ipc_at_tp2(ckpts, monkeypatch, procs):  # noqa: F811
-    """tp=2, served, through nvllm.Client: B over the group, A from its folder, then B by
+    """tp=2, served, through nvllm.Client: B over the group, A from its folder (through
+    AsyncClient, after a refused missing one), then B by
     CUDA IPC handles (the stand-in CuPy: tensors at offsets inside shared allocations,
     one with transposed strides); every worker closed every handle it opened."""
     folder, a, b, b_dir = ckpts
@@ -114,7 +116,7 @@ def test_served_group_path_and_cuda_ipc_at_tp2(ckpts, monkeypatch, procs):  # no
             _finish(trainer, 0)
             assert [o.token_ids for o in run()] == hf_refs(folder, "B", b)
 
-            assert client.update_weights_from_path(folder, weight_version="A") == "A"
+            assert asyncio.run(_async_path(s.endpoint, folder)) == "A"
             after = run()
             assert [o.token_ids for o in after] == hf_refs(folder, "A", a)
             assert all(o.weight_version == "A" for o in after)
@@ -130,6 +132,18 @@ def test_served_group_path_and_cuda_ipc_at_tp2(ckpts, monkeypatch, procs):  # no
         teardown(s)
         fake.free_all()
         sys.path.remove(str(FAKE_CUPY))
+        sys.modules.pop("cupy", None)
+
+
+async def _async_path(endpoint: str, folder: str) -> int | str:
+    """Through AsyncClient: a missing folder refused over the wire, then A's folder."""
+    client = AsyncClient(endpoint, timeout_s=90)
+    try:
+        with pytest.raises(WeightUpdateError, match="no config.json"):
+            await client.update_weights_from_path(folder + "-missing")
+        return await client.update_weights_from_path(folder, weight_version="A")
+    finally:
+        client.close()
 
 
 def _in_fake_device_memory(fake, state: dict[str, torch.Tensor]
