@@ -184,6 +184,39 @@ class LLM:
         self._check_owned("LLM.update_weights")
         return self.engine.update_weights(named_tensors, weight_version, chunk_bytes)
 
+    def init_weight_update_group(self, master_address: str, master_port: int,
+                                 rank_offset: int, world_size: int,
+                                 group_name: str = "weight_update_group",
+                                 backend: str | None = None,
+                                 timeout_s: float = 60.0) -> None:
+        """Have every worker join a trainer's process group (SGLang's
+        init_weights_update_group): the trainer is rank 0 and hosts its TCPStore at
+        master_address:master_port (nvllm/worker/weight_group.py:TrainerWeightGroup);
+        worker r is rank rank_offset + r. Blocks until all joined (at most about
+        `timeout_s`), so the trainer joins from another thread or process."""
+        self._check_owned("LLM.init_weight_update_group")
+        self.engine.init_weight_update_group(master_address, master_port, rank_offset,
+                                             world_size, group_name, backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        weight_version: int | str | None = None
+                                        ) -> int | str:
+        """Receive these tensors (HF names, torch dtype names, full shapes) from the
+        trainer's broadcasts over the weight-update group, in this order, and apply them
+        on every rank at once; returns the new weight_version. A trainer that dies
+        mid-broadcast leaves the old weights in force (and the group closed)."""
+        self._check_owned("LLM.update_weights_from_distributed")
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes,
+                                                           weight_version)
+
+    def update_weights_from_path(self, path: str,
+                                 weight_version: int | str | None = None) -> int | str:
+        """Load a checkpoint folder (safetensors) or .gguf file of the same model, each
+        rank reading its own shards (SGLang's update_weights_from_disk); all or nothing."""
+        self._check_owned("LLM.update_weights_from_path")
+        return self.engine.update_weights_from_path(str(path), weight_version)
+
     @property
     def weight_version(self) -> int | str | None:
         return self.engine.weight_version

@@ -23,10 +23,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nvllm.common import client_protocol as cp
+from nvllm.common.cuda_ipc import choose_ipc, push_ipc
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.trace import Tracer
+from nvllm.common.weight_source_client import AsyncWeightSourceClient, WeightSourceClient
 from nvllm.common.weight_transfer import (
     DEFAULT_CHUNK_BYTES,
     NamedTensors,
@@ -142,7 +144,7 @@ def _n_of(params: SamplingParams | dict | None) -> int:
     return int((params or {}).get("n", 1))
 
 
-class Client:
+class Client(WeightSourceClient):
     """Synchronous client. ``stream()`` yields ``StreamDelta``s; ``generate()`` collects."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
@@ -261,18 +263,26 @@ class Client:
     def update_weights(self, named_tensors: NamedTensors,
                        weight_version: int | str | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       shared_memory: bool | None = None) -> int | str:
+                       shared_memory: bool | None = None,
+                       cuda_ipc: bool | None = None) -> int | str:
         """LLM.update_weights over the socket: the tensors go through shared memory this
         process creates (`shared_memory`, default: when the endpoint is on this host),
-        else inline in the frames; returns the weight_version now in force."""
+        else inline in the frames; CUDA tensors (`cuda_ipc`, default: when the first one
+        is on CUDA) by IPC handle, each worker copying straight from them. Returns the
+        weight_version now in force."""
+        ipc, named_tensors = choose_ipc(named_tensors, cuda_ipc)
         shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
 
-        def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
-            self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs),
-                          cp.WeightsStaged)
+        def send(k: int, names: list[str], dtypes: list[str], refs: list[list],
+                 rows: list[int] | None) -> None:
+            self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs,
+                                          rows=rows), cp.WeightsStaged)
 
         try:
-            push_weights(named_tensors, send, chunk_bytes, shm)
+            if ipc:
+                push_ipc(named_tensors, send, chunk_bytes)
+            else:
+                push_weights(named_tensors, send, chunk_bytes, shm)
         except BaseException:
             self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
             raise
@@ -292,7 +302,7 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(AsyncWeightSourceClient):
     """asyncio client: any number of concurrent requests over one socket."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
@@ -480,17 +490,23 @@ class AsyncClient:
     async def update_weights(self, named_tensors: NamedTensors,
                              weight_version: int | str | None = None,
                              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                             shared_memory: bool | None = None) -> int | str:
+                             shared_memory: bool | None = None,
+                             cuda_ipc: bool | None = None) -> int | str:
         """As Client.update_weights; the ring writes run on a thread, off the loop."""
+        ipc, named_tensors = choose_ipc(named_tensors, cuda_ipc)
         shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
         loop = asyncio.get_running_loop()
 
-        def send(k: int, names: list[str], dtypes: list[str], refs: list[list]) -> None:
+        def send(k: int, names: list[str], dtypes: list[str], refs: list[list],
+                 rows: list[int] | None) -> None:
             asyncio.run_coroutine_threadsafe(self._request(cp.WeightsChunk(
-                chunk=k, names=names, dtypes=dtypes, refs=refs)), loop).result()
+                chunk=k, names=names, dtypes=dtypes, refs=refs, rows=rows)), loop).result()
 
         try:
-            await asyncio.to_thread(push_weights, named_tensors, send, chunk_bytes, shm)
+            if ipc:
+                await asyncio.to_thread(push_ipc, named_tensors, send, chunk_bytes)
+            else:
+                await asyncio.to_thread(push_weights, named_tensors, send, chunk_bytes, shm)
         except BaseException:
             await self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
             raise

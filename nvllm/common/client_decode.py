@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from nvllm.common import client_limits as cl
 from nvllm.common import client_protocol as cp
 from nvllm.common import weight_transfer as wt
 from nvllm.common.client_limits import (
@@ -29,6 +30,7 @@ from nvllm.common.client_limits import (
     TtlMs,
     default_limits,
 )
+from nvllm.common.cuda_ipc import IpcRef, is_ipc_ref
 from nvllm.common.field_errors import FieldError, field_error
 from nvllm.common.request_checks import prompt_length_error
 from nvllm.common.sampling_params import SamplingParams
@@ -103,7 +105,7 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
                                                         cp.MetricsRequest, cp.Ping,
                                                         cp.ResumeGeneration, cp.WeightsAbort))
     union = Submit | Abort | plain[0] | plain[1] | plain[2] | plain[3] | plain[4] | plain[5]
-    for extra in _weight_types():
+    for extra in _weight_types() + _weight_source_types():
         union = union | extra
     return union, Submit  # type: ignore[return-value]
 
@@ -124,6 +126,8 @@ def _weight_types() -> tuple[type, ...]:
         names: Annotated[list[name], many]  # type: ignore[valid-type]
         dtypes: Annotated[list[Literal["float32", "float16", "bfloat16"]], many]
         refs: Annotated[list[Annotated[list[Any], Meta(max_length=6)]], many]
+        rows: Annotated[list[Annotated[int, Meta(ge=0, le=INT64_MAX)]], Meta(
+            min_length=2, max_length=2)] | None = None
         v: Literal[1] = 1
 
     class WeightsCommit(msgspec.Struct, tag_field="op", tag="weights_commit"):
@@ -132,6 +136,45 @@ def _weight_types() -> tuple[type, ...]:
         v: Literal[1] = 1
 
     return PauseGeneration, WeightsChunk, WeightsCommit
+
+
+@functools.cache
+def _weight_source_types() -> tuple[type, ...]:
+    """init_weight_update_group, weights_from_distributed, weights_from_path: addresses,
+    ports, ranks, names, shapes and paths bounded (nvllm/common/client_limits.py)."""
+    many = Meta(max_length=wt.MAX_TENSORS_PER_CHUNK)
+    name = Annotated[str, Meta(min_length=1, max_length=wt.MAX_WEIGHT_NAME_CHARS)]
+    dim = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+
+    class InitWeightUpdateGroup(msgspec.Struct, tag_field="op",
+                                tag="init_weight_update_group"):
+        master_address: Annotated[str, Meta(min_length=1,
+                                             max_length=cl.MAX_MASTER_ADDRESS_CHARS)]
+        master_port: Annotated[int, Meta(ge=cl.MIN_PORT, le=cl.MAX_PORT)]
+        rank_offset: Annotated[int, Meta(ge=1, le=cl.MAX_GROUP_WORLD_SIZE - 1)]
+        world_size: Annotated[int, Meta(ge=2, le=cl.MAX_GROUP_WORLD_SIZE)]
+        group_name: Annotated[str, Meta(min_length=1, max_length=cl.MAX_GROUP_NAME_CHARS)] \
+            = "weight_update_group"
+        backend: Literal["gloo", "nccl"] | None = None
+        timeout_s: Annotated[float, Meta(gt=0, le=cl.MAX_GROUP_TIMEOUT_S)] = 60.0
+        v: Literal[1] = 1
+
+    class WeightsFromDistributed(msgspec.Struct, tag_field="op",
+                                 tag="weights_from_distributed"):
+        chunk: Annotated[int, Meta(ge=0, le=INT64_MAX)]
+        names: Annotated[list[name], many]  # type: ignore[valid-type]
+        dtypes: Annotated[list[Literal["float32", "float16", "bfloat16"]], many]
+        shapes: Annotated[list[Annotated[list[dim], Meta(  # type: ignore[valid-type]
+            max_length=cl.MAX_TENSOR_DIMS)]], many]
+        v: Literal[1] = 1
+
+    class UpdateWeightsFromPath(msgspec.Struct, tag_field="op", tag="weights_from_path"):
+        path: Annotated[str, Meta(min_length=1, max_length=cl.MAX_PATH_CHARS)]
+        weight_version: Int64 | Annotated[str, Meta(
+            max_length=wt.WEIGHT_VERSION_MAX_CHARS)] | None = None
+        v: Literal[1] = 1
+
+    return InitWeightUpdateGroup, WeightsFromDistributed, UpdateWeightsFromPath
 
 
 class _Envelope(msgspec.Struct):
@@ -174,7 +217,25 @@ def decode_client_frame(payload: bytes,
         return cls(weight_version=frame.weight_version)
     if cls is cp.WeightsChunk:
         return _weights_chunk(frame)
+    if cls in (cp.InitWeightUpdateGroup, cp.WeightsFromDistributed,
+               cp.UpdateWeightsFromPath):
+        return _weight_source(cls, frame)
     return cls()
+
+
+def _weight_source(cls: type, frame: Any) -> cp.ClientMessage:
+    """A decoded weight-source message as the server's, its lists one entry per tensor."""
+    fields = msgspec.structs.asdict(frame)
+    fields.pop("v")
+    if cls is cp.WeightsFromDistributed and not \
+            len(frame.names) == len(frame.dtypes) == len(frame.shapes):
+        raise cp.ClientProtocolError("invalid_request", "weights_from_distributed: `names`, "
+                                     "`dtypes` and `shapes` must have one entry each per "
+                                     "tensor")
+    if cls is cp.InitWeightUpdateGroup and frame.rank_offset >= frame.world_size:
+        raise cp.ClientProtocolError("invalid_request", "init_weight_update_group: "
+                                     "rank_offset must be below world_size")
+    return cls(**fields)
 
 
 def _weights_chunk(frame: Any) -> cp.WeightsChunk:
@@ -188,6 +249,12 @@ def _weights_chunk(frame: Any) -> cp.WeightsChunk:
                   "tensor")
     total = 0
     for i, (dtype, ref) in enumerate(zip(frame.dtypes, frame.refs)):
+        if is_ipc_ref(ref):  # a trainer's CUDA tensor, by handle: no bytes in the frame
+            try:
+                IpcRef.decode(ref)
+            except wt.WeightUpdateError as e:
+                raise bad(f"weights_chunk: refs.{i}: {e}") from None
+            continue
         try:
             r = ArrayRef.decode(ref)
         except BadRef as e:
@@ -199,8 +266,11 @@ def _weights_chunk(frame: Any) -> cp.WeightsChunk:
         if total > wt.MAX_CHUNK_BYTES:
             raise bad(f"weights_chunk: over {wt.MAX_CHUNK_BYTES} bytes of tensors in one "
                       "chunk: send smaller chunks")
+    if frame.rows is not None and len(frame.names) != 1:
+        raise bad("weights_chunk: a chunk with `rows` holds one tensor's rows")
     return cp.WeightsChunk(chunk=frame.chunk, names=list(frame.names),
-                           dtypes=list(frame.dtypes), refs=[list(r) for r in frame.refs])
+                           dtypes=list(frame.dtypes), refs=[list(r) for r in frame.refs],
+                           rows=None if frame.rows is None else list(frame.rows))
 
 
 def _unreadable(e: Exception, payload: bytes) -> cp.ClientProtocolError:

@@ -76,3 +76,46 @@ def default_limits() -> ClientLimits:
     from nvllm.common.config import EngineConfig
 
     return client_limits(EngineConfig(model=""))
+
+
+# Bounds on the weight-update sources a client names (init_weight_update_group,
+# update_weights_from_distributed, update_weights_from_path): the same for every engine.
+MAX_MASTER_ADDRESS_CHARS = 255  # a DNS name's longest
+MIN_PORT, MAX_PORT = 1, 65535
+MAX_GROUP_WORLD_SIZE = 4096
+MAX_GROUP_NAME_CHARS = 128
+MAX_GROUP_TIMEOUT_S = 600.0
+MAX_PATH_CHARS = 4096  # PATH_MAX
+MAX_TENSOR_DIMS = 8
+GROUP_BACKENDS = ("gloo", "nccl")
+
+
+def weight_group_error(master_address: object, master_port: object, rank_offset: object,
+                       world_size: object, group_name: object, backend: object,
+                       timeout_s: object, tp: int | None = None) -> str | None:
+    """Why these init_weight_update_group arguments are refused (naming the field and
+    its limit), or None. `tp`, when known: the workers that must fit in the group."""
+    def bad_int(x: object, lo: int, hi: int) -> bool:
+        return type(x) is not int or not lo <= x <= hi
+
+    if not isinstance(master_address, str) or \
+            not 0 < len(master_address) <= MAX_MASTER_ADDRESS_CHARS:
+        return f"master_address must be 1 to {MAX_MASTER_ADDRESS_CHARS} characters"
+    if bad_int(master_port, MIN_PORT, MAX_PORT):
+        return f"master_port must be an integer in {MIN_PORT}..{MAX_PORT}"
+    if bad_int(world_size, 2, MAX_GROUP_WORLD_SIZE):
+        return f"world_size must be an integer in 2..{MAX_GROUP_WORLD_SIZE}"
+    if bad_int(rank_offset, 1, MAX_GROUP_WORLD_SIZE - 1):
+        return (f"rank_offset must be an integer in 1..{MAX_GROUP_WORLD_SIZE - 1} (the "
+                "trainer is rank 0)")
+    if tp is not None and rank_offset + tp > world_size:
+        return (f"rank_offset {rank_offset} + tensor_parallel_size {tp} exceeds world_size "
+                f"{world_size}: every worker needs a rank in the group")
+    if not isinstance(group_name, str) or not 0 < len(group_name) <= MAX_GROUP_NAME_CHARS:
+        return f"group_name must be 1 to {MAX_GROUP_NAME_CHARS} characters"
+    if backend is not None and backend not in GROUP_BACKENDS:
+        return f"backend must be one of {GROUP_BACKENDS} (or None: by device)"
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or \
+            not 0 < timeout_s <= MAX_GROUP_TIMEOUT_S:
+        return f"timeout_s must be in (0, {MAX_GROUP_TIMEOUT_S:g}] seconds"
+    return None

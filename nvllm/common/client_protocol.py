@@ -103,6 +103,7 @@ class WeightsChunk(ClientMessage, tag="weights_chunk"):
     names: list[str]
     dtypes: list[str]
     refs: list[list]
+    rows: list[int] | None = None  # [first, total]: one tensor's rows first.. (a piece)
     OP: ClassVar[str] = "weights_chunk"
 
 
@@ -113,6 +114,45 @@ class WeightsCommit(ClientMessage, tag="weights_commit"):
 
 class WeightsAbort(ClientMessage, tag="weights_abort"):
     OP: ClassVar[str] = "weights_abort"
+
+
+# Weight updates from other sources (nvllm/leader/weight_sources.py): a trainer's process
+# group (SGLang's init_weights_update_group / update_weights_from_distributed) and a path.
+
+
+class InitWeightUpdateGroup(ClientMessage, tag="init_weight_update_group"):
+    """Every worker joins the trainer's process group as rank ``rank_offset`` + its tp
+    rank; the trainer (rank 0) hosts the group's TCPStore at master_address:port."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str | None = None  # "gloo" | "nccl"; None: nccl on CUDA, gloo on CPU
+    timeout_s: float = 60.0
+    OP: ClassVar[str] = "init_weight_update_group"
+
+
+class WeightsFromDistributed(ClientMessage, tag="weights_from_distributed"):
+    """One chunk of an update the trainer broadcasts over the group (chunk 0 starts one;
+    committed by ``weights_commit``): HF names, torch dtype names, full shapes, in the
+    order of the broadcasts."""
+
+    chunk: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    OP: ClassVar[str] = "weights_from_distributed"
+
+
+class UpdateWeightsFromPath(ClientMessage, tag="weights_from_path"):
+    """Load a checkpoint folder or .gguf file of the served model on every rank, then
+    apply it (all or nothing)."""
+
+    path: str
+    weight_version: int | str | None = None
+    OP: ClassVar[str] = "weights_from_path"
 
 
 # ---- leader -> client ------------------------------------------------------------------
@@ -214,13 +254,37 @@ class WeightsAborted(ServerMessage, tag="weights_abort"):
     OP: ClassVar[str] = "weights_abort"
 
 
+class WeightUpdateGroupReady(ServerMessage, tag="init_weight_update_group"):
+    """Every worker joined the weight-update group."""
+
+    OP: ClassVar[str] = "init_weight_update_group"
+
+
+class DistributedStaged(ServerMessage, tag="weights_from_distributed",
+                        omit_defaults=False):
+    """Every worker received and staged this chunk's broadcasts."""
+
+    chunk: int
+    OP: ClassVar[str] = "weights_from_distributed"
+
+
+class WeightsFromPathLoaded(ServerMessage, tag="weights_from_path", omit_defaults=False):
+    weight_version: int | str
+    OP: ClassVar[str] = "weights_from_path"
+
+
 CLIENT_MESSAGES: tuple[type, ...] = (Submit, Abort, InfoRequest, HealthRequest,
                                      MetricsRequest, Ping, PauseGeneration, ResumeGeneration,
-                                     WeightsChunk, WeightsCommit, WeightsAbort)
+                                     WeightsChunk, WeightsCommit, WeightsAbort,
+                                     InitWeightUpdateGroup, WeightsFromDistributed,
+                                     UpdateWeightsFromPath)
 SERVER_MESSAGES: tuple[type, ...] = (Output, Error, Info, Health, Metrics, Pong, Paused,
-                                     Resumed, WeightsStaged, WeightsCommitted, WeightsAborted)
+                                     Resumed, WeightsStaged, WeightsCommitted, WeightsAborted,
+                                     WeightUpdateGroupReady, DistributedStaged,
+                                     WeightsFromPathLoaded)
 ServerFrame = (Output | Error | Info | Health | Metrics | Pong | Paused | Resumed
-               | WeightsStaged | WeightsCommitted | WeightsAborted)
+               | WeightsStaged | WeightsCommitted | WeightsAborted | WeightUpdateGroupReady
+               | DistributedStaged | WeightsFromPathLoaded)
 
 
 # ---- encoding --------------------------------------------------------------------------

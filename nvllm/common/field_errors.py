@@ -106,6 +106,11 @@ def _bound(field: str, path: str, what: str, limits: ClientLimits) -> FieldError
                 else "entries" if kind == "object" else "items")
         tail = f" ({limit} is {getattr(limits, limit)})" if limit else ""
         return FieldError(code, field, f"{path} has more than {n} {unit}{tail}")
+    short = re.match(r"Expected `(\w+)` of length >= (\d+)", what)
+    if short:
+        kind, n = short.groups()
+        unit = ("character" if kind == "str" else "item") + ("" if n == "1" else "s")
+        return FieldError(code, field, f"{path} must have at least {n} {unit}")
     rng = re.match(r"Expected `(\w+)` (<=|>=|<|>) (\S+)", what)
     if rng:
         kind, op, n = rng.groups()

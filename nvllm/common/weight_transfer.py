@@ -123,20 +123,39 @@ def chunks(named_tensors: NamedTensors, chunk_bytes: int) -> Iterator[list[WireT
         yield chunk
 
 
-SendChunk = Callable[[int, list[str], list[str], list[list]], None]
+def split_rows(chunk_list: Iterable[list[WireTensor]], chunk_bytes: int
+               ) -> Iterator[tuple[list[WireTensor], list[int] | None]]:
+    """Each chunk with its row range: a chunk of one tensor larger than `chunk_bytes` is
+    cut into pieces of whole rows (along dim 0) of at most `chunk_bytes` each (one row
+    at least), each with [first row, total rows], so no more than `chunk_bytes` is ever
+    in flight; other chunks go as they are (None)."""
+    for chunk in chunk_list:
+        name, dtype, a = chunk[0]
+        if len(chunk) > 1 or a.nbytes <= chunk_bytes or a.ndim == 0 or a.shape[0] < 2:
+            yield chunk, None
+            continue
+        row_bytes = max(1, a.nbytes // a.shape[0])
+        step = max(1, chunk_bytes // row_bytes)
+        for first in range(0, a.shape[0], step):
+            yield [(name, dtype, a[first:first + step])], [first, a.shape[0]]
+
+
+SendChunk = Callable[[int, list[str], list[str], list[list], list[int] | None], None]
 
 
 def push_weights(named_tensors: NamedTensors, send: SendChunk,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, shared_memory: bool = True
                  ) -> tuple[int, int]:
     """Write each chunk into a shared-memory ring and hand its (ordinal, names, dtypes,
-    refs) to `send`, which returns once every receiver is done with it (its region is
-    then reused). Without `shared_memory` (receivers on other hosts) the bytes travel
+    refs, row range) to `send`, which returns once every receiver is done with it (its
+    region is then reused). A tensor larger than `chunk_bytes` goes in row ranges
+    (split_rows). Without `shared_memory` (receivers on other hosts) the bytes travel
     inline in the message. Returns (tensors, bytes) sent; the ring is gone on return."""
     writer: ArrayWriter | None = None
     num = total = 0
     try:
-        for k, chunk in enumerate(chunks(named_tensors, chunk_bytes)):
+        for k, (chunk, rows) in enumerate(split_rows(chunks(named_tensors, chunk_bytes),
+                                                     chunk_bytes)):
             nbytes = sum(a.nbytes for _, _, a in chunk)
             if shared_memory and (writer is None or writer.capacity < nbytes + 64 * len(chunk)):
                 if writer is not None:
@@ -144,10 +163,10 @@ def push_weights(named_tensors: NamedTensors, send: SendChunk,
                 writer = _ring(max(chunk_bytes, nbytes + 64 * len(chunk)))
             refs = _write(writer, chunk)
             send(k, [n for n, _, _ in chunk], [d for _, d, _ in chunk],
-                 [r.encode() for r in refs])
+                 [r.encode() for r in refs], rows)
             if writer is not None:
                 writer.reclaim_all()  # every rank answered: the region is free again
-            num += len(chunk)
+            num += len(chunk) if rows is None or rows[0] == 0 else 0
             total += nbytes
     finally:
         if writer is not None:

@@ -254,6 +254,9 @@ class WeightChunk(Struct, array_like=True, forbid_unknown_fields=True, tag=5):
     names: list[str]
     dtypes: list[str]
     refs: list[list]
+    # A chunk of one tensor's rows [first, total) (a tensor over chunk_bytes is sent in
+    # row ranges); None: whole tensors.
+    rows: list[NonNeg] | None = None
     KIND: ClassVar[int] = 5
 
 
@@ -283,6 +286,47 @@ class WeightsAck(Struct, array_like=True, forbid_unknown_fields=True, tag=13):
     error: str = ""
     staged_bytes: NonNeg = 0  # this rank's staging memory so far
     KIND: ClassVar[int] = 13
+
+
+INIT_GROUP_CHUNK = -2  # the WeightsAck chunk that answers an InitWeightGroup
+
+
+class InitWeightGroup(Struct, array_like=True, forbid_unknown_fields=True, tag=20):
+    """Join a trainer's weight-update process group as rank ``rank_offset + rank``
+    (init_weight_update_group; nvllm/worker/weight_group.py), waiting at most
+    ``timeout_s``; each rank answers with a WeightsAck of chunk -2 for ``group_id``."""
+
+    group_id: NonNeg
+    master_address: str
+    master_port: NonNeg
+    rank_offset: NonNeg
+    world_size: NonNeg
+    group_name: str
+    backend: str
+    timeout_s: float
+    KIND: ClassVar[int] = 20
+
+
+class WeightsFromGroup(Struct, array_like=True, forbid_unknown_fields=True, tag=21):
+    """One chunk of an update the trainer broadcasts over the weight-update group, in
+    this order: HF names, torch dtype names, full shapes. Staged like a WeightChunk."""
+
+    update_id: NonNeg
+    chunk: NonNeg
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[NonNeg]]
+    KIND: ClassVar[int] = 21
+
+
+class WeightsFromPath(Struct, array_like=True, forbid_unknown_fields=True, tag=22):
+    """An update read by every rank from a checkpoint (a safetensors folder or a .gguf
+    file) through the loader, each rank its own shards; staged like a WeightChunk."""
+
+    update_id: NonNeg
+    chunk: NonNeg
+    path: str
+    KIND: ClassVar[int] = 22
 
 
 class WorkerReady(Struct, array_like=True, forbid_unknown_fields=True, tag=10):
@@ -343,13 +387,14 @@ class WorkerError(Struct, array_like=True, forbid_unknown_fields=True, tag=12):
 MESSAGES: dict[int, type] = {
     c.KIND: c for c in (StepPlan, InitKVCache, LoadGrammars, WeightChunk, CommitWeights,
                         AbortWeights, Shutdown, WorkerReady, StepResult, WorkerError,
-                        WeightsAck)
+                        WeightsAck, InitWeightGroup, WeightsFromGroup, WeightsFromPath)
 }
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(
     StepPlan | InitKVCache | LoadGrammars | WeightChunk | CommitWeights | AbortWeights
-    | Shutdown | WorkerReady | StepResult | WorkerError | WeightsAck)
+    | Shutdown | WorkerReady | StepResult | WorkerError | WeightsAck | InitWeightGroup
+    | WeightsFromGroup | WeightsFromPath)
 
 
 def encode(msg: Any) -> bytes:

@@ -45,6 +45,7 @@ from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
 from nvllm.leader.spec_gate import SpecGate
+from nvllm.leader.weight_sources import WeightSources
 from nvllm.leader.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class InFlight:
     generation: int = 0  # of the plan's arrays in the transport ring (0: none)
 
 
-class LLMEngine(WeightSync):
+class LLMEngine(WeightSync, WeightSources):
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any) -> None:
         assert config.model_info is not None, "EngineConfig.finalize() first"
         self.config = config

@@ -147,11 +147,11 @@ class Executor:
     # ---- weight updates ---------------------------------------------------------------
 
     def stage_weights(self, update_id: int, chunk: int, names: list[str], dtypes: list[str],
-                      refs: list[list]) -> str | None:
+                      refs: list[list], rows: list[int] | None = None) -> str | None:
         """Send one chunk of a weight update to every rank and wait until each has staged
         it (and stopped reading its memory); None, or the first rank's refusal."""
         self.workers.broadcast(worker_protocol.WeightChunk(update_id, chunk, names, dtypes,
-                                                           refs))
+                                                           refs, rows))
         return self._weight_acks(update_id, chunk)
 
     def commit_weights(self, update_id: int) -> str | None:
@@ -164,11 +164,20 @@ class Executor:
         if self.workers.dead is None:
             self.workers.broadcast(worker_protocol.AbortWeights(update_id))
 
-    def _weight_acks(self, update_id: int, chunk: int) -> str | None:
+    def weight_request(self, msg: Any, ident: int, chunk: int, timeout_s: float
+                       ) -> str | None:
+        """Send `msg` (a weight-source message) to every rank and wait, at most
+        `timeout_s` per answer, until each answered chunk `chunk` of `ident`; None, or
+        the first rank's refusal."""
+        self.workers.broadcast(msg)
+        return self._weight_acks(ident, chunk, timeout_s)
+
+    def _weight_acks(self, update_id: int, chunk: int, timeout_s: float | None = None
+                     ) -> str | None:
         errors: dict[int, str] = {}
         answered: set[int] = set()
         while len(answered) < self.workers.num_workers:
-            msg = self.workers.recv(self.config.step_timeout_s)
+            msg = self.workers.recv(timeout_s or self.config.step_timeout_s)
             if isinstance(msg, worker_protocol.WeightsAck) and msg.update_id == update_id \
                     and msg.chunk == chunk:
                 answered.add(msg.rank)

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MESSAGES = (cp.PauseGeneration, cp.ResumeGeneration, cp.WeightsChunk, cp.WeightsCommit,
-            cp.WeightsAbort)
+            cp.WeightsAbort, cp.InitWeightUpdateGroup, cp.WeightsFromDistributed,
+            cp.UpdateWeightsFromPath)
 
 
 class RolloutControl:
@@ -68,7 +69,9 @@ class RolloutControl:
             self.pause_waiters.clear()
             eng.resume_generation()
             return srv._send(client, cp.Resumed())
-        if isinstance(msg, cp.WeightsChunk):
+        if isinstance(msg, cp.InitWeightUpdateGroup | cp.UpdateWeightsFromPath):
+            return self._weight_source(client, msg)
+        if isinstance(msg, cp.WeightsChunk | cp.WeightsFromDistributed):
             if msg.chunk == 0:
                 self._drop_update()
                 try:
@@ -79,7 +82,12 @@ class RolloutControl:
             elif not self._owns(client):
                 return srv._error(client, None, "bad_state", "no weight update of this "
                                   "client is being staged: send its chunk 0 first")
-            eng.stage_weights(self.update_id, msg.chunk, msg.names, msg.dtypes, msg.refs)
+            if isinstance(msg, cp.WeightsFromDistributed):  # the trainer broadcasts
+                eng.stage_from_group(self.update_id, msg.chunk, msg.names, msg.dtypes,
+                                     msg.shapes)
+                return srv._send(client, cp.DistributedStaged(msg.chunk))
+            eng.stage_weights(self.update_id, msg.chunk, msg.names, msg.dtypes, msg.refs,
+                              msg.rows)
             return srv._send(client, cp.WeightsStaged(msg.chunk))
         if isinstance(msg, cp.WeightsCommit):
             if not self._owns(client):
@@ -93,6 +101,24 @@ class RolloutControl:
                 self._drop_update()
             return srv._send(client, cp.WeightsAborted())
         raise AssertionError(f"not an RL message: {type(msg).__name__}")
+
+    def _weight_source(self, client: bytes, msg: Any) -> None:
+        """Join a trainer's group, or load a path: one call each, answered when done (the
+        engine waits meanwhile, bounded by the group's timeout or step_timeout_s)."""
+        eng, srv = self.engine, self.server
+        self._drop_update()
+        try:
+            if isinstance(msg, cp.InitWeightUpdateGroup):
+                eng.init_weight_update_group(msg.master_address, msg.master_port,
+                                             msg.rank_offset, msg.world_size, msg.group_name,
+                                             msg.backend, msg.timeout_s)
+                return srv._send(client, cp.WeightUpdateGroupReady())
+            version = eng.update_weights_from_path(msg.path, msg.weight_version)
+        except RuntimeError as e:
+            if isinstance(e, EngineDeadError):
+                raise
+            return srv._error(client, None, "bad_state", str(e))
+        return srv._send(client, cp.WeightsFromPathLoaded(version))
 
     def _owns(self, client: bytes) -> bool:
         return self.update_id is not None and self.owner == client

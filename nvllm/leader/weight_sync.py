@@ -18,6 +18,7 @@ import itertools
 import logging
 from typing import TYPE_CHECKING
 
+from nvllm.common.cuda_ipc import push_ipc, wants_ipc
 from nvllm.common.weight_transfer import (
     DEFAULT_CHUNK_BYTES,
     NamedTensors,
@@ -118,9 +119,16 @@ class WeightSync:
         version = check_weight_version(weight_version)
         update_id = self.begin_weight_update()
         try:
-            push_weights(named_tensors, lambda k, names, dtypes, refs: self.stage_weights(
-                update_id, k, names, dtypes, refs), chunk_bytes,
-                shared_memory=self.executor.plan_writer is not None)
+            def stage(k: int, names: list[str], dtypes: list[str], refs: list[list],
+                      rows: list[int] | None) -> None:
+                self.stage_weights(update_id, k, names, dtypes, refs, rows)
+
+            ipc, named_tensors = wants_ipc(named_tensors)
+            if ipc:  # CUDA tensors: each rank copies from them by IPC handle
+                push_ipc(named_tensors, stage, chunk_bytes)
+            else:
+                push_weights(named_tensors, stage, chunk_bytes,
+                             shared_memory=self.executor.plan_writer is not None)
         except BaseException:
             self.abort_weight_update(update_id)
             raise
@@ -145,13 +153,14 @@ class WeightSync:
         return self._staging
 
     def stage_weights(self: LLMEngine, update_id: int, chunk: int, names: list[str],
-                      dtypes: list[str], refs: list[list]) -> None:
+                      dtypes: list[str], refs: list[list],
+                      rows: list[int] | None = None) -> None:
         """Have every rank stage one chunk; WeightUpdateError (and the update aborted on
         every rank) when any refuses."""
         if update_id != self._staging:
             raise WeightUpdateError(f"weight update {update_id} is not being staged "
                                     f"(now: {self._staging})")
-        error = self.executor.stage_weights(update_id, chunk, names, dtypes, refs)
+        error = self.executor.stage_weights(update_id, chunk, names, dtypes, refs, rows)
         if error is not None:
             self.abort_weight_update(update_id)
             raise WeightUpdateError(f"weight update refused, the old weights stay: {error}")

@@ -42,6 +42,8 @@ from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
 from nvllm.worker.thread_tuner import ThreadTuner
+from nvllm.worker.weight_sources import MESSAGES as WEIGHT_SOURCE_MESSAGES
+from nvllm.worker.weight_sources import WeightSources
 from nvllm.worker.weight_update import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("nvllm.worker")
@@ -238,7 +240,7 @@ def run_worker(spec: dict) -> None:
                                 config.heartbeat_timeout_s, secure, stop_heartbeats))
     hb.start()
     step_id = 0
-    reader = tp = None
+    reader = tp = sources = None
     tr = trace.tracer("worker") if rank == 0 else None  # rank 0 sends the results
     arrays = ArrayReader()  # maps the leader's plan ring (read-only) on first use
     try:
@@ -273,6 +275,10 @@ def run_worker(spec: dict) -> None:
                 ack = update_weights(runner.weights, msg, rank)
                 if ack is not None:
                     result_sock.send(worker_protocol.encode(ack))
+            elif isinstance(msg, WEIGHT_SOURCE_MESSAGES):  # a trainer's group, a path
+                if sources is None:
+                    sources = WeightSources(runner.weights, device, rank)
+                result_sock.send(worker_protocol.encode(sources.handle(msg)))
             elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:
@@ -303,6 +309,8 @@ def run_worker(spec: dict) -> None:
         arrays.close()
         stop_heartbeats.set()
         hb.join(timeout=2)
+        if sources is not None:
+            sources.close()
         if tp is not None and tp.shm is not None:
             tp.shm.close()
         if dist.is_initialized():

@@ -26,9 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from nvllm.common.cuda_ipc import is_ipc_ref
 from nvllm.common.transport import ArrayReader, ArrayRef, BadRef
 from nvllm.common.weight_transfer import WIRE_DTYPES, WeightUpdateError
 from nvllm.common.worker_protocol import WeightChunk
+from nvllm.worker.ipc_weights import stage_ipc
 from nvllm.worker.loader import _default_loader
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class WeightUpdater:
         self.next_chunk = 0
         self.staged: dict[str, torch.Tensor] = {}
         self.reader: ArrayReader | None = None
+        # A tensor arriving in row ranges: (name, its full buffer, rows filled so far).
+        self.partial: tuple[str, torch.Tensor, int] | None = None
 
     @property
     def staged_bytes(self) -> int:
@@ -70,32 +74,81 @@ class WeightUpdater:
             self.abort(msg.update_id)
             raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
 
-    def _stage(self, msg: WeightChunk) -> None:
-        if msg.chunk == 0:
+    def begin_chunk(self, update_id: int, chunk: int) -> None:
+        """Start staging chunk `chunk` of `update_id` (chunk 0 drops an update never
+        committed); WeightUpdateError when it comes out of order. Every source (the ring,
+        CUDA IPC, a process group, a checkpoint path) stages through this."""
+        if chunk == 0:
             self.abort(self.update_id)  # an older update never committed: abandoned
-            self.update_id, self.next_chunk = msg.update_id, 0
-            self.reader = ArrayReader()
-        if msg.update_id != self.update_id or msg.chunk != self.next_chunk:
-            raise WeightUpdateError(f"chunk {msg.chunk} of update {msg.update_id} out of "
+            self.update_id, self.next_chunk = update_id, 0
+        if update_id != self.update_id or chunk != self.next_chunk:
+            raise WeightUpdateError(f"chunk {chunk} of update {update_id} out of "
                                     f"order (expected chunk {self.next_chunk} of update "
                                     f"{self.update_id})")
+
+    def _stage(self, msg: WeightChunk) -> None:
+        self.begin_chunk(msg.update_id, msg.chunk)
+        if self.reader is None:
+            self.reader = ArrayReader()
         if not len(msg.names) == len(msg.dtypes) == len(msg.refs):
             raise WeightUpdateError("a weight chunk needs one dtype and one ref per name")
+        if msg.rows is not None:
+            self._stage_rows(msg)
+            self.next_chunk += 1
+            return
+        if self.partial is not None:
+            raise WeightUpdateError(f"{self.partial[0]} arrived only in part (rows up to "
+                                    f"{self.partial[2]})")
         for name, dtype, ref in zip(msg.names, msg.dtypes, msg.refs):
-            self._stage_one(name, dtype, ArrayRef.decode(ref))
+            if is_ipc_ref(ref):  # a trainer's CUDA memory, by handle
+                stage_ipc(self, name, dtype, ref)
+            else:
+                self._stage_one(name, dtype, ArrayRef.decode(ref))
         self.next_chunk += 1
 
-    def _source(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+    def check_shape(self, name: str, shape: tuple[int, ...] | list[int]) -> None:
+        """WeightUpdateError unless `name` is a checkpoint tensor of exactly `shape`."""
         want = self.hf_shapes.get(name)
         if want is None:
             raise WeightUpdateError(f"{name} is not a tensor of this model's checkpoint "
                                     "(names are the HF checkpoint's, e.g. "
                                     "model.layers.0.self_attn.q_proj.weight)")
+        if tuple(shape) != tuple(want):
+            raise WeightUpdateError(f"{name}: shape {list(shape)} does not match the "
+                                    f"checkpoint's {list(want)}")
+
+    def _stage_rows(self, msg: WeightChunk) -> None:
+        """One piece of a tensor sent in row ranges: copied into a full-size buffer (one
+        tensor, in the sender's dtype), staged once its last row arrived."""
+        if len(msg.names) != 1 or len(msg.rows) != 2:
+            raise WeightUpdateError("a chunk with rows holds one tensor and [first, total]")
+        name, dtype, ref = msg.names[0], msg.dtypes[0], ArrayRef.decode(msg.refs[0])
+        first, total = msg.rows
+        if not ref.shape or first + ref.shape[0] > total:
+            raise WeightUpdateError(f"{name}: rows {first}.. of {total} do not fit")
+        self.check_shape(name, (total, *ref.shape[1:]))
+        src = self._tensor(name, dtype, ref)
+        if first == 0:
+            if self.partial is not None:
+                raise WeightUpdateError(f"{self.partial[0]} arrived only in part")
+            self.partial = (name, torch.empty((total, *src.shape[1:]), dtype=src.dtype), 0)
+        part = self.partial
+        if part is None or part[0] != name or part[2] != first:
+            raise WeightUpdateError(f"{name}: rows from {first} out of order")
+        part[1][first:first + src.shape[0]].copy_(src)
+        self.partial = (name, part[1], first + src.shape[0])
+        if self.partial[2] == total:
+            self.partial = None
+            self.stage_source(name, part[1])
+
+    def _source(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+        self.check_shape(name, ref.shape)
+        return self._tensor(name, dtype, ref)
+
+    def _tensor(self, name: str, dtype: str, ref: ArrayRef) -> torch.Tensor:
+        """The ring region `ref` as a read-only tensor of torch dtype `dtype`."""
         if WIRE_DTYPES.get(dtype) != ref.dtype:
             raise WeightUpdateError(f"{name}: dtype {dtype} sent as {ref.dtype}")
-        if tuple(ref.shape) != tuple(want):
-            raise WeightUpdateError(f"{name}: shape {list(ref.shape)} does not match the "
-                                    f"checkpoint's {list(want)}")
         arr = self.reader.get(ref)
         with warnings.catch_warnings():  # read-only view: the loaders only read it
             warnings.simplefilter("ignore", UserWarning)
@@ -103,7 +156,12 @@ class WeightUpdater:
         return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
     def _stage_one(self, name: str, dtype: str, ref: ArrayRef) -> None:
-        src = self._source(name, dtype, ref)
+        self.stage_source(name, self._source(name, dtype, ref))
+
+    def stage_source(self, name: str, src) -> None:
+        """Stage this rank's shard of HF tensor `name` from `src` (a tensor, or a lazy
+        slice the loaders index), cut by the parameter's own weight_loader; the caller
+        checked its shape."""
         for pname, shard_id in self.model.param_for(name):
             param = self.params.get(pname)
             if param is None:
@@ -146,6 +204,10 @@ class WeightUpdater:
         if update_id != self.update_id:
             raise WeightUpdateError(f"commit of update {update_id}, but update "
                                     f"{self.update_id} is staged")
+        if self.partial is not None:
+            name, rows = self.partial[0], self.partial[2]
+            self.abort(update_id)
+            raise WeightUpdateError(f"{name} arrived only in part (rows up to {rows})")
         staged, self.staged = self.staged, {}
         with torch.no_grad():
             for pname, value in staged.items():
@@ -165,6 +227,7 @@ class WeightUpdater:
         """Drop what was staged for `update_id` (a no-op for any other)."""
         if update_id is not None and update_id == self.update_id:
             self.staged = {}
+            self.partial = None
             self._close()
 
     def _close(self) -> None:

@@ -15,6 +15,7 @@ from nvllm.common.worker_protocol import (
     AbortWeights,
     CommitWeights,
     InitKVCache,
+    InitWeightGroup,
     LoadGrammars,
     NewSeq,
     RunningSeq,
@@ -23,6 +24,8 @@ from nvllm.common.worker_protocol import (
     StepResult,
     WeightChunk,
     WeightsAck,
+    WeightsFromGroup,
+    WeightsFromPath,
     WorkerError,
     WorkerReady,
     WorkerSampling,
@@ -76,6 +79,15 @@ ROUND_TRIP = [
     CommitWeights(update_id=3),
     AbortWeights(update_id=3),
     WeightsAck(rank=1, update_id=3, chunk=-1, error="", staged_bytes=4096),
+    WeightChunk(update_id=4, chunk=2, names=["lm_head.weight"], dtypes=["float32"],
+                refs=[[1, "float32", [8, 64], "nvllm-tr-12-0123456789ab", 0, 5]],
+                rows=[16, 96]),
+    InitWeightGroup(group_id=1, master_address="10.0.0.1", master_port=29500,
+                    rank_offset=1, world_size=3, group_name="weight_update_group",
+                    backend="gloo", timeout_s=60.0),
+    WeightsFromGroup(update_id=5, chunk=0, names=["model.norm.weight"], dtypes=["float32"],
+                     shapes=[[64]]),
+    WeightsFromPath(update_id=6, chunk=0, path="/ckpt/step-7"),
 ]
 
 

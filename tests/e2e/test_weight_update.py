@@ -8,7 +8,6 @@ the pause mode."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import pathlib
 import subprocess
@@ -17,76 +16,24 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from served import serve, teardown
+from weight_ckpts import (  # noqa: F401 (ckpts: a fixture)
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    _run,
+    ckpts,
+    hf_greedy,
+    hf_refs,
+)
 
 from nvllm import LLM, AsyncClient, Client, SamplingParams
-from nvllm.common.model_source import safetensors_files
 from nvllm.common.weight_transfer import WeightUpdateError
 
 pytestmark = pytest.mark.e2e
 
-# KV-group heads and intermediate/vocabulary sizes tp=2 does not divide: the update goes
-# through the loader's uneven sharding (fused q/k/v and gate/up included).
-PRESET = "llama-9h3kv"
-MAX_TOKENS = 12
-PROMPTS = [[1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7, 8, 300, 12, 11, 64, 2, 3],
-           [400, 12, 7], [1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7, 8, 300, 12, 11, 64, 5]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SMALL_CHUNK = 16 << 10  # several chunks, and tensors larger than one chunk
 LONG = 40  # tokens of the request held across an update
-
-
-@pytest.fixture(scope="module")
-def ckpts(tiny, tmp_path_factory):
-    """(A's folder, A's tensors, B's tensors, B's folder): B is A's preset with another
-    seed."""
-    from nvllm.launch.tiny import PRESETS, make_tiny_checkpoint
-
-    a = tiny(PRESET)
-    b = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt-b"), **PRESETS[PRESET], seed=1)
-    return a, _tensors(a), _tensors(b), b
-
-
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(folder):
-        out.update(load_file(str(f)))
-    return out
-
-
-@functools.cache
-def _hf(folder: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_greedy(folder: str, state: dict[str, torch.Tensor], prompt: list[int],
-              max_tokens: int = MAX_TOKENS) -> list[int]:
-    """HF greedy tokens on `folder`'s architecture holding `state`."""
-    model = _hf(folder)
-    model.load_state_dict(state, strict=False)
-    gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, pad_token_id=0)
-    return gen[0, len(prompt):].tolist()
-
-
-def _run(llm: LLM) -> list:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert all(o.error is None for o in outs)
-    return outs
-
-
-_REFS: dict[str, list[list[int]]] = {}
-
-
-def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
-    """HF greedy tokens of every prompt on `state`, once per label in the session."""
-    if label not in _REFS:
-        _REFS[label] = [hf_greedy(folder, state, p) for p in PROMPTS]
-    return _REFS[label]
 
 
 def _trainer(endpoint: str, folder, mode: str) -> subprocess.CompletedProcess:
@@ -96,7 +43,7 @@ def _trainer(endpoint: str, folder, mode: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_served_update_from_a_trainer_process_at_tp2(ckpts):
+def test_served_update_from_a_trainer_process_at_tp2(ckpts):  # noqa: F811
     """A trainer process pushes B through nvllm.Client (its own shared memory, the
     leader forwarding the refs) into a tp=2 engine; a trainer killed mid-update leaves
     the weights as they were."""
@@ -165,7 +112,7 @@ async def _async_partial(endpoint: str, tensors: dict) -> tuple:
     return [t for d in deltas for t in d.token_ids], version, ends[0]
 
 
-def test_update_refusal_partial_and_pause_modes(ckpts):
+def test_update_refusal_partial_and_pause_modes(ckpts):  # noqa: F811
     """tp=1, one engine: a full update, two refused ones, a partial one, then every
     pause mode (keep across an update)."""
     folder, a, b, _ = ckpts

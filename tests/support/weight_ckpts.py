@@ -1,0 +1,105 @@
+"""Checkpoints A and B of one tiny preset (same shapes, other seeds) and HF's greedy
+tokens on either, for the weight-update tests (tests/e2e/test_weight_update.py,
+tests/e2e/test_weight_sources.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nvllm import LLM, SamplingParams
+from nvllm.common.model_source import safetensors_files
+
+# KV-group heads and intermediate/vocabulary sizes tp=2 does not divide: the update goes
+# through the loader's uneven sharding (fused q/k/v and gate/up included).
+PRESET = "llama-9h3kv"
+MAX_TOKENS = 12
+PROMPTS = [[1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7, 8, 300, 12, 11, 64, 2, 3],
+           [400, 12, 7], [1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7, 8, 300, 12, 11, 64, 5]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tiny, tmp_path_factory):
+    """(A's folder, A's tensors, B's tensors, B's folder): B is A's preset with another
+    seed."""
+    from nvllm.launch.tiny import PRESETS, make_tiny_checkpoint
+
+    a = tiny(PRESET)
+    b = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt-b"), **PRESETS[PRESET], seed=1)
+    return a, _tensors(a), _tensors(b), b
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(folder):
+        out.update(load_file(str(f)))
+    return out
+
+
+@functools.cache
+def _hf(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(folder: str, state: dict[str, torch.Tensor], prompt: list[int],
+              max_tokens: int = MAX_TOKENS) -> list[int]:
+    """HF greedy tokens on `folder`'s architecture holding `state`."""
+    model = _hf(folder)
+    model.load_state_dict(state, strict=False)
+    gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, pad_token_id=0)
+    return gen[0, len(prompt):].tolist()
+
+
+def _run(llm: LLM) -> list:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    return outs
+
+
+_REFS: dict[str, list[list[int]]] = {}
+
+
+def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
+    """HF greedy tokens of every prompt on `state`, once per label in the session."""
+    if label not in _REFS:
+        _REFS[label] = [hf_greedy(folder, state, p) for p in PROMPTS]
+    return _REFS[label]
+
+
+
+
+def tensors_of(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint folder, by HF name."""
+    return _tensors(folder)
+
+
+def runner_on(folder: str, **kw):
+    """A tp=1 CPU ModelRunner on `folder`, without an engine."""
+    from nvllm.common.config import EngineConfig
+    from nvllm.worker.model_runner import ModelRunner
+    from nvllm.worker.parallel import TPContext
+
+    cfg = EngineConfig(folder, device="cpu", dtype="float32", max_model_len=64,
+                       **kw).finalize()
+    return ModelRunner(cfg, TPContext(), torch.device("cpu"))
+
+
+def held_params(runner) -> dict[str, torch.Tensor]:
+    """Every parameter as the layers hold it (a oneDNN-packed weight unpacked)."""
+    out = {}
+    for name, p in runner.model.named_parameters():
+        module = runner.model.get_submodule(name.rsplit(".", 1)[0])
+        packed = getattr(module, "packed", None)
+        if p.numel() == 0 and isinstance(packed, torch.Tensor):
+            out[name] = packed.to_dense().clone()
+        else:
+            out[name] = p.detach().clone()
+    return out
