@@ -2,7 +2,8 @@
 router), and in-process routers with other policies over the same replicas: a
 multi-tenant workload's cached-prompt fraction with cache_aware against round_robin,
 greedy output equal to one engine's, identical prompts spread by load, sticky keys,
-control messages, a replica whose leader goes away, and a clean SIGINT."""
+control messages, a replica whose leader goes away (its requests resumed on the other),
+and a clean SIGINT."""
 
 from __future__ import annotations
 
@@ -153,9 +154,10 @@ def test_the_http_gateway_serves_through_the_router(launched):
     assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_LEN
 
 
-def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
-    """Replica 0's leader goes away mid-request: that request ends with exactly one error,
-    the router stops routing there, and replica 1 (real) serves the next requests."""
+def test_a_lost_replicas_request_resumes_on_the_other(launched):
+    """Replica 0 (a fake) streams one token and its leader goes away: the request resumes
+    on replica 1 (real) from that token, ends once after max_tokens in all, and the
+    router routes nothing more to replica 0."""
     dying = StallingLeader()
     r = start_router([dying.endpoint, launched.replicas[0]], "round_robin")
     try:
@@ -163,9 +165,10 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
             stream = c.stream([9] * 20, GREEDY)
             assert next(stream).token_ids == [5]
             dying.die()
-            with pytest.raises(EngineDeadError, match="replica 0 went away"):
-                next(stream)
-            assert r.router.failed_by_replica_loss == 1
+            rest = list(stream)
+            assert [d.finish_reason for d in rest][-1] == "length"
+            assert sum(len(d.token_ids) for d in rest) == 3
+            assert (r.router.replayed, r.router.failed_by_replica_loss) == (1, 0)
             assert c.health()["reason"].startswith("1 of 2 replicas up (replica 0: ")
             outs = [c.generate([1, 2, 3], GREEDY) for _ in range(3)]
             assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
@@ -175,44 +178,53 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
         stop_router(r)
 
 
-def test_a_sigkilled_replica_ends_its_requests_once_and_everything_stops(launched, procs):
-    """SIGKILL replica 1's leader with requests in flight on both: each ends exactly once
-    (finished on replica 0, or one error), replica 0 goes on serving, the launcher removes
-    what the dead replica left in /dev/shm, and SIGINT then stops every process."""
+def test_a_sigkilled_replicas_requests_resume_exactly_and_everything_stops(launched,
+                                                                          procs):
+    """SIGKILL replica 1's leader while several greedy streams run on both: each stream
+    ends exactly once, its tokens and text equal one engine's (no token or character
+    repeated or missing), replica 0 goes on serving, the launcher removes what the dead
+    replica left in /dev/shm, and SIGINT then stops every process."""
     workers = [w for pid in launched.pids for w in procs.worker_pids_of(pid)]
     assert len(workers) == 2
-    long = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+    long = {"temperature": 0.0, "max_tokens": 120, "ignore_eos": True}
+    prompts = [[50 + k] * 8 for k in range(6)]
 
     async def load() -> list:
         client = AsyncClient(launched.endpoint, timeout_s=120)
-        started = asyncio.Event()
+        started = [asyncio.Event() for _ in prompts]
 
         async def one(k: int):
-            ends = []
+            ids, text, ends = [], "", []
             try:
-                async for d in client.stream([50 + k] * 8, long):
-                    started.set()
+                async for d in client.stream(prompts[k], long):
+                    started[k].set()
+                    ids += d.token_ids
+                    text += d.text
                     if d.finish_reason is not None:
                         ends.append(d.finish_reason)
             except EngineDeadError as e:
                 ends.append(str(e))
-            return ends
+            return ids, text, ends
 
-        tasks = [asyncio.create_task(one(k)) for k in range(6)]
-        await started.wait()
+        tasks = [asyncio.create_task(one(k)) for k in range(len(prompts))]
+        for e in started:  # every stream has shown tokens: those on replica 1 resume
+            await e.wait()
         os.kill(launched.pids[1], signal.SIGKILL)
         try:
             return await asyncio.gather(*tasks)
         finally:
             client.close()
 
-    ends = asyncio.run(load())
-    assert all(len(e) == 1 for e in ends), ends
-    lost = [e[0] for e in ends if e[0] != "length"]
-    assert lost and all("replica 1 went away" in e for e in lost), ends
+    got = asyncio.run(load())
+    assert all(ends == ["length"] for _, _, ends in got), [e for _, _, e in got]
+    with Client(launched.replicas[0], timeout_s=60) as one_engine:
+        ref = [one_engine.generate(p, long).outputs[0] for p in prompts]
+    assert [(ids, text) for ids, text, _ in got] == [(o.token_ids, o.text) for o in ref]
     with Client(launched.endpoint, timeout_s=60) as c:
         assert c.health()["reason"].startswith("1 of 2 replicas up (replica 1: ")
-        assert len(c.generate([7, 8, 9], GREEDY).outputs[0].token_ids) == 4
+        text = c.metrics()
+    assert metric(text, "nvllm_router:requests_replayed_total") >= 1
+    assert metric(text, "nvllm_router:requests_failed_replica_lost_total") == 0
     deadline = time.monotonic() + 20
     while any(procs.pid_alive(w) for w in workers[1:]) or owned_segments(
             [launched.pids[1], workers[1]]):
