@@ -6,8 +6,11 @@ nvllm.launch.data_parallel``, its spec in an environment variable, as workers ge
 theirs): a leader with its own tensor-parallel workers, serving on a loopback port of its
 own, which it writes to a file in a private folder once its engine is ready. Replicas die
 with the launcher (PR_SET_PDEATHSIG and a parent watch). The launcher waits for every
-replica, then serves until SIGINT/SIGTERM; a replica that exits meanwhile is logged and
-the router stops routing to it (restarting it is not done yet: docs/data-parallel.md).
+replica, then serves until SIGINT/SIGTERM. A replica that exits meanwhile
+(``ReplicaSupervisor``) has the shared-memory segments it and its workers left removed
+and is started again on the same port, after a backoff and at most ``MAX_RESTARTS``
+times in a row; the router, which replayed its requests elsewhere, routes to it again
+once it answers ``health`` ready.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -33,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 SPEC_ENV = "NVLLM_REPLICA_SPEC"
 STOP_TIMEOUT_S = 15.0  # a replica's own shutdown (its workers too) after SIGTERM
+# Restarts of a replica that keeps dying: at most MAX_RESTARTS in a row, the k-th after
+# RESTART_BACKOFF_S * 2**k; a replica that served STABLE_AFTER_S since its last start
+# has its count reset (a crash a day is restarted every time, a crash loop is not).
+MAX_RESTARTS = 3
+RESTART_BACKOFF_S = 1.0
+STABLE_AFTER_S = 60.0
+POLL_S = 0.5  # how often the supervisor looks at its replicas
+WORKERS_EXIT_S = 1.0  # a dead leader's workers notice within this (their parent watch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +58,17 @@ class DataParallelOptions:
 
 def start_replica(index: int, model: str, engine_kwargs: dict[str, Any], folder: str,
                   served_model_name: str | None, max_frame_bytes: int,
-                  shutdown_timeout: float, log_level: str) -> tuple[subprocess.Popen, str]:
-    """One replica's leader process; returns it and the file its endpoint will be in."""
+                  shutdown_timeout: float, log_level: str, port: int = 0
+                  ) -> tuple[subprocess.Popen, str]:
+    """One replica's leader process (serving on loopback `port`, 0: one it picks);
+    returns it and the file its endpoint will be in."""
     endpoint_file = os.path.join(folder, f"replica-{index}.endpoint")
+    if os.path.exists(endpoint_file):  # a dead predecessor's
+        os.unlink(endpoint_file)
     spec = {"index": index, "model": model, "engine_kwargs": engine_kwargs,
             "endpoint_file": endpoint_file, "served_model_name": served_model_name,
             "max_frame_bytes": max_frame_bytes, "shutdown_timeout": shutdown_timeout,
-            "log_level": log_level, "parent_pid": os.getpid()}
+            "log_level": log_level, "parent_pid": os.getpid(), "port": port}
     env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
     proc = subprocess.Popen([sys.executable, "-m", "nvllm.launch.data_parallel"], env=env,
                             stdin=subprocess.DEVNULL)
@@ -112,23 +128,85 @@ def child_pids(pid: int) -> set[int]:
     return out
 
 
-def _watch_replicas(procs: list[subprocess.Popen], owners: list[set[int]],
-                    stop: threading.Event) -> None:
-    """Log each replica that exits while serving (the router sees its connection drop),
-    and remove the shared-memory segments it or its workers (`owners[i]`: their pids)
-    left: a SIGKILLed leader unlinks nothing, and its workers die with it."""
-    reported: set[int] = set()
-    while not stop.wait(0.5):
-        for i, p in enumerate(procs):
-            if i not in reported and p.poll() is not None:
-                reported.add(i)
-                logger.error("replica %d (pid %d) exited with code %s; the router no longer "
-                             "routes to it (it is not restarted)", i, p.pid, p.returncode)
-                stop.wait(1.0)  # its workers notice their parent is gone
-                swept = sweep_orphan_segments(owners[i])
-                if swept:
-                    logger.info("removed %d shared-memory segment(s) of exited processes: "
-                                "%s", len(swept), swept)
+@dataclass(slots=True)
+class _Replica:
+    index: int
+    proc: subprocess.Popen
+    port: int
+    owners: set[int]  # its leader's and workers' pids, whose segments die with them
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # in a row (reset once it served STABLE_AFTER_S)
+    given_up: bool = False
+
+
+class ReplicaSupervisor:
+    """Watches the replicas (a thread of the launcher): one that exits has its segments
+    removed (a SIGKILLed leader unlinks nothing, and its workers die with it) and is
+    started again on its port, so the router's connection to it comes back by itself."""
+
+    def __init__(self, procs: list[subprocess.Popen], endpoints: list[str],
+                 start: Callable[[int, int], tuple[subprocess.Popen, str]],
+                 start_timeout_s: float) -> None:
+        self.replicas = [_Replica(i, p, int(ep.rsplit(":", 1)[1]), {p.pid} | child_pids(p.pid))
+                         for i, (p, ep) in enumerate(zip(procs, endpoints))]
+        self.start, self.start_timeout_s = start, start_timeout_s
+        self.restarted = 0
+        self._lock = threading.Lock()  # procs are replaced here and stopped by the launcher
+
+    def procs(self) -> list[subprocess.Popen]:
+        with self._lock:
+            return [r.proc for r in self.replicas]
+
+    def owners(self) -> set[int]:
+        return set().union(*(r.owners for r in self.replicas))
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(POLL_S):
+            for r in self.replicas:
+                if not r.given_up and r.proc.poll() is not None:
+                    self._replace(r, stop)
+
+    def _replace(self, r: _Replica, stop: threading.Event) -> None:
+        logger.error("replica %d (pid %d) exited with code %s; the router replays its "
+                     "requests elsewhere", r.index, r.proc.pid, r.proc.returncode)
+        stop.wait(WORKERS_EXIT_S)  # before its segments go: its workers may hold them
+        swept = sweep_orphan_segments(r.owners)
+        if swept:
+            logger.info("removed %d shared-memory segment(s) of exited processes: %s",
+                        len(swept), swept)
+        if time.monotonic() - r.started > STABLE_AFTER_S:
+            r.restarts = 0
+        if r.restarts >= MAX_RESTARTS:
+            r.given_up = True
+            logger.error("replica %d exited %d times in a row: not restarted again (the "
+                         "others serve; restart the launch to bring it back)", r.index,
+                         r.restarts + 1)
+            return
+        delay = RESTART_BACKOFF_S * 2 ** r.restarts
+        r.restarts += 1
+        logger.warning("restarting replica %d on port %d in %g s (attempt %d of %d)",
+                       r.index, r.port, delay, r.restarts, MAX_RESTARTS)
+        if stop.wait(delay):
+            return
+        with self._lock:
+            if stop.is_set():
+                return
+            r.proc, path = self.start(r.index, r.port)
+            r.started = time.monotonic()
+        r.owners |= {r.proc.pid}
+        deadline = time.monotonic() + self.start_timeout_s
+        while not os.path.exists(path):
+            if r.proc.poll() is not None or stop.is_set():
+                return  # the next turn sees it exited (and counts the attempt)
+            if time.monotonic() > deadline:
+                logger.error("replica %d did not serve within %.0f s: stopping it",
+                             r.index, self.start_timeout_s)
+                stop_replicas([r.proc])
+                return
+            stop.wait(0.1)
+        r.owners = {r.proc.pid} | child_pids(r.proc.pid)
+        self.restarted += 1
+        logger.warning("replica %d is back (pid %d, port %d)", r.index, r.proc.pid, r.port)
 
 
 def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[str, Any], *,
@@ -145,16 +223,21 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
     defaults = EngineConfig(model=model, **engine_kwargs)  # checks the options once, here
     folder = private_ipc_dir("nvllm-dp-")
     replicas: list[tuple[subprocess.Popen, str]] = []
-    router = gateway_proc = None
-    owners: list[set[int]] = []
+    router = gateway_proc = supervisor = watcher = None
+    stop = threading.Event()
+
+    def start(index: int, replica_port: int = 0) -> tuple[subprocess.Popen, str]:
+        return start_replica(index, model, engine_kwargs, folder, served_model_name,
+                             max_frame_bytes, shutdown_timeout, log_level, replica_port)
+
     try:
-        for i in range(dp.size):
-            replicas.append(start_replica(i, model, engine_kwargs, folder, served_model_name,
-                                          max_frame_bytes, shutdown_timeout, log_level))
-        endpoints = wait_for_endpoints(replicas, defaults.worker_start_timeout_s + 60)
-        # Each replica's processes (its leader, its workers: started by now), whose
-        # segments the launcher removes if they die without doing so.
-        owners = [{p.pid} | child_pids(p.pid) for p, _ in replicas]
+        replicas = [start(i) for i in range(dp.size)]
+        start_timeout_s = defaults.worker_start_timeout_s + 60
+        endpoints = wait_for_endpoints(replicas, start_timeout_s)
+        # Records each replica's processes (its leader, its workers: started by now),
+        # whose segments the launcher removes if they die without doing so.
+        supervisor = ReplicaSupervisor([p for p, _ in replicas], endpoints, start,
+                                       start_timeout_s)
         config = RouterConfig(
             policy=dp.router_policy,
             cache_aware=CacheAwareConfig(dp.cache_threshold, dp.balance_abs_threshold,
@@ -165,7 +248,6 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
             max_client_frames_per_step=defaults.max_client_frames_per_step)
         router = Router(endpoints, config, host=host, port=port, curve_key_dir=curve_key_dir,
                         max_frame_bytes=max_frame_bytes)
-        stop = threading.Event()
         stop_on_signals(stop)
         click.echo(f"serving on {router.endpoint}; Ctrl-C to stop")
         click.echo(f"data parallel: {dp.size} replicas (pids "
@@ -177,15 +259,19 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
             gateway_proc = start_gateway_process(router.endpoint, **gateway)
             click.echo(f"OpenAI-compatible HTTP gateway on http://{gateway['host']}:"
                        f"{gateway['port']}/v1 (pid {gateway_proc.pid})")
-        watcher = threading.Thread(target=_watch_replicas,
-                                   args=([p for p, _ in replicas], owners, stop), daemon=True)
+        watcher = threading.Thread(target=supervisor.run, args=(stop,), daemon=True,
+                                   name="nvllm-replica-supervisor")
         watcher.start()
         router.serve(stop, shutdown_timeout)
     finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join(STOP_TIMEOUT_S)
         if gateway_proc is not None:
             stop_replicas([gateway_proc])
-        stop_replicas([p for p, _ in replicas])
-        sweep_orphan_segments(set().union(*owners))
+        stop_replicas(supervisor.procs() if supervisor else [p for p, _ in replicas])
+        if supervisor is not None:
+            sweep_orphan_segments(supervisor.owners())
         if router is not None:
             router.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -211,7 +297,8 @@ def _replica_main() -> None:
     engine = engine_builder.build_engine(EngineConfig(model=spec["model"],
                                                       **spec["engine_kwargs"]))
     try:
-        server = EngineServer(engine, "127.0.0.1", 0, model_name=spec["served_model_name"],
+        server = EngineServer(engine, "127.0.0.1", spec["port"],
+                              model_name=spec["served_model_name"],
                               max_frame_bytes=spec["max_frame_bytes"])
         try:
             tmp = spec["endpoint_file"] + ".tmp"
