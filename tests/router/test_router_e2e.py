@@ -2,8 +2,9 @@
 router), and in-process routers with other policies over the same replicas: a
 multi-tenant workload's cached-prompt fraction with cache_aware against round_robin,
 greedy output equal to one engine's, identical prompts spread by load, sticky keys,
-control messages, a replica whose leader goes away (its requests resumed on the other),
-and a clean SIGINT."""
+control messages, a replica whose leader goes away (its requests resumed on the other,
+the replica restarted), a router that goes away (restarted without the replicas), and a
+clean SIGINT."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ KV_BLOCKS = 90
 
 @pytest.fixture(scope="module")
 def launched(tiny):
-    """nvllm-launch --data-parallel-size 2: its router's endpoint, its replicas' own
-    endpoints (for in-process routers with other policies) and pids."""
+    """nvllm-launch --data-parallel-size 2: its router's endpoint and pid, its replicas'
+    own endpoints (for in-process routers with other policies) and pids."""
     http_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nvllm.launch.cli", "--model", tiny("qwen3"),
@@ -53,6 +54,7 @@ def launched(tiny):
         m = re.search(r"2 replicas \(pids \[(\d+), (\d+)\]\) at \['(\S+)', '(\S+)'\]", text)
         assert m is not None, text
         yield SimpleNamespace(proc=proc, pids=[int(m[1]), int(m[2])],
+                              router_pid=int(re.search(r"router pid (\d+)", text)[1]),
                               replicas=[m[3], m[4]], http=f"http://127.0.0.1:{http_port}",
                               endpoint=re.search(r"serving on (tcp://\S+);", text)[1])
     finally:
@@ -176,6 +178,31 @@ def test_a_lost_replicas_request_resumes_on_the_other(launched):
             wait_for(lambda: r.router.links[1].load == 0)
     finally:
         stop_router(r)
+
+
+def test_a_killed_router_comes_back_on_its_port_and_the_replicas_stay(launched, procs):
+    """SIGKILL the router with a request in flight: its client fails it once the
+    connection is gone past LINK_GRACE_S, the launcher starts the router again on its
+    port after that, and the same client's next requests are served by the same
+    replicas (their processes untouched)."""
+    with Client(launched.endpoint, timeout_s=60) as c:
+        stream = c.stream([60] * 8, {"temperature": 0.0, "max_tokens": 400,
+                                     "ignore_eos": True})
+        next(stream)
+        os.kill(launched.router_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="lost the connection"):
+            list(stream)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                out = c.generate([1, 2, 3], GREEDY)
+                break
+            except EngineDeadError:  # not back yet, or back with no replica up yet
+                assert time.monotonic() < deadline, "the router did not come back"
+                time.sleep(0.5)
+        assert len(out.outputs[0].token_ids) == 4
+        assert c.health() == {"op": "health", "ready": True}
+    assert all(procs.pid_alive(p) for p in launched.pids)
 
 
 def test_a_sigkilled_replica_is_replayed_restarted_and_everything_stops(launched, procs):
