@@ -41,6 +41,7 @@ SPEC_ENV = "NVLLM_REPLICA_SPEC"
 # A restarted router comes back only after its clients have given up the requests they
 # had on it: a client that reconnected sooner would wait for answers no router owes.
 ROUTER_RESTART_DELAY_S = LINK_GRACE_S + 1.0
+READY_WAIT_S = 30.0  # a (re)started router waits this long for its replicas' answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +216,21 @@ def _router_main(spec: dict[str, Any]) -> None:
     router = Router(spec["endpoints"], RouterConfig(**fields), host=spec["host"],
                     port=spec["port"], curve_key_dir=spec["curve_key_dir"],
                     max_frame_bytes=spec["max_frame_bytes"])
+    thread = threading.Thread(target=router.serve, args=(stop, spec["shutdown_timeout"]),
+                              name="nvllm-router")
     try:
+        thread.start()
+        # Announced once every replica answered (or after READY_WAIT_S with those that
+        # did): a client told "serving on" then finds replicas to route to.
+        deadline = time.monotonic() + READY_WAIT_S
+        while not router.ready() and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.05)
         _write_endpoint(spec["endpoint_file"], router.endpoint)
-        router.serve(stop, spec["shutdown_timeout"])
+        while thread.is_alive():
+            thread.join(0.5)  # (the main thread takes the signals)
     finally:
+        stop.set()
+        thread.join()
         router.close()
 
 
