@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 SPEC_ENV = "NVLLM_REPLICA_SPEC"
 # A restarted router comes back only after its clients have given up the requests they
 # had on it: a client that reconnected sooner would wait for answers no router owes.
-ROUTER_RESTART_DELAY_S = LINK_GRACE_S + 1.0
+# Twice the grace: a client sees the drop and checks the grace only between its reads
+# (up to PING_INTERVAL_S apart), later still when its machine is loaded.
+ROUTER_RESTART_DELAY_S = 2 * LINK_GRACE_S
 READY_WAIT_S = 30.0  # a (re)started router waits this long for its replicas' answers
 
 

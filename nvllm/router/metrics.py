@@ -76,12 +76,14 @@ def router_exposition(router: Router) -> str:
         lines += [f'nvllm_router:prefix_tree_tokens{{replica="{lk.index}"}} '
                   f"{float(tree.size.get(lk.index, 0))}" for lk in router.links]
     lines += ["# HELP nvllm_router:requests_replayed_total Requests resumed on another "
-              "replica after theirs went away.",
-              "# TYPE nvllm_router:requests_replayed_total counter",
-              f"nvllm_router:requests_replayed_total {float(router.replayed)}"]
+              "replica after theirs (the label) went away.",
+              "# TYPE nvllm_router:requests_replayed_total counter"]
+    lines += [f'nvllm_router:requests_replayed_total{{replica="{lk.index}"}} '
+              f"{float(router.replayed.get(lk.index, 0))}" for lk in router.links]
     lines += ["# HELP nvllm_router:requests_failed_replica_lost_total Requests ended with an "
-              "error because their replica went away and they could not be replayed.",
-              "# TYPE nvllm_router:requests_failed_replica_lost_total counter",
-              f"nvllm_router:requests_failed_replica_lost_total "
-              f"{float(router.failed_by_replica_loss)}"]
+              "error because their replica (the label) went away and they could not be "
+              "replayed.", "# TYPE nvllm_router:requests_failed_replica_lost_total counter"]
+    lines += [f'nvllm_router:requests_failed_replica_lost_total{{replica="{lk.index}"}} '
+              f"{float(router.failed_by_replica_loss.get(lk.index, 0))}"
+              for lk in router.links]
     return "\n".join(lines) + "\n"

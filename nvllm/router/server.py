@@ -123,8 +123,9 @@ class Router:
         self.draining = False
         self.decisions: Counter[str] = Counter()
         self.routed_to: Counter[int] = Counter()  # replica -> requests routed there
-        self.failed_by_replica_loss = 0
-        self.replayed = 0  # requests resumed on another replica after theirs was lost
+        # By the lost replica: requests resumed on another, and those that could not be.
+        self.replayed: Counter[int] = Counter()
+        self.failed_by_replica_loss: Counter[int] = Counter()
         self._flights: dict[int, Flight] = {}  # the router's request id -> whose
         self._by_client: dict[bytes, dict[Any, int]] = defaultdict(dict)
         self._last_seen: dict[bytes, float] = {}
@@ -402,7 +403,7 @@ class Router:
             f = self._flights[rid]
             why = f.why_not_replayable() or self._replay(rid, f)
             if why is not None:
-                self.failed_by_replica_loss += 1
+                self.failed_by_replica_loss[link.index] += 1
                 self._send(f.client, cp.Error(f.client_rid, "engine_unavailable", (
                     f"replica {link.index} went away while this request ran, and it "
                     f"could not be replayed on another: {why} (docs/data-parallel.md)")))
@@ -425,13 +426,13 @@ class Router:
             return f"replica {replica} cannot take requests now"
         if f.aborted:
             link.send(cp.Abort(ours))  # it ends there, with the final message it owes
+        self.replayed[f.replica] += 1
         self.links[f.replica].load -= 1
         del self._flights[rid]
         f.replica, f.replays = replica, f.replays + 1
         self._flights[ours] = f
         self._by_client[f.client][f.client_rid] = ours
         link.load += 1
-        self.replayed += 1
         logger.info("request %r of client %s replayed on replica %d after %d token(s)",
                     f.client_rid, f.client.hex()[:10], replica, len(f.token_ids))
         return None

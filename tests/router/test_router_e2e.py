@@ -170,7 +170,7 @@ def test_a_lost_replicas_request_resumes_on_the_other(launched):
             rest = list(stream)
             assert [d.finish_reason for d in rest][-1] == "length"
             assert sum(len(d.token_ids) for d in rest) == 3
-            assert (r.router.replayed, r.router.failed_by_replica_loss) == (1, 0)
+            assert (r.router.replayed, r.router.failed_by_replica_loss) == ({0: 1}, {})
             assert c.health()["reason"].startswith("1 of 2 replicas up (replica 0: ")
             outs = [c.generate([1, 2, 3], GREEDY) for _ in range(3)]
             assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
@@ -260,8 +260,9 @@ def test_a_sigkilled_replica_is_replayed_restarted_and_everything_stops(launched
         for k in range(4):  # no shared prefix, least loaded, ties in turn: two reach it
             c.generate([700 + k, 8, 9], GREEDY)
         text = c.metrics()
-    assert metric(text, "nvllm_router:requests_replayed_total") >= 1
-    assert metric(text, "nvllm_router:requests_failed_replica_lost_total") == 0
+    assert metric(text, 'nvllm_router:requests_replayed_total{replica="1"}') >= 1
+    assert metric(text, 'nvllm_router:requests_replayed_total{replica="0"}') == 0
+    assert metric(text, 'nvllm_router:requests_failed_replica_lost_total{replica="1"}') == 0
     assert metric(text, 'nvllm:prompt_tokens_total{replica="1"') > 0  # counted since restart
     restarted = [p for p in procs_of(launched.proc.pid) if p not in launched.pids + workers]
     assert restarted
