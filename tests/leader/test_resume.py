@@ -113,3 +113,33 @@ def test_the_wire_bounds_output_token_ids_by_max_model_len():
     with pytest.raises(cp.ClientProtocolError, match="output_text_offset"):
         decode_client_frame(msgspec.msgpack.encode({**frame, "output_token_ids": [5],
                                                     "output_text_offset": -1}), lim)
+
+
+def test_a_served_engine_resumes_from_the_wire(serve_engine, tokenizer):
+    """The fields travel from the frame to the engine: two tokens produced elsewhere,
+    two more here, max_tokens 4 in all; a resume the engine refuses is `rejected`."""
+    import msgpack
+
+    engine, server, dealer = serve_engine()
+    the = tokenizer(" the", add_special_tokens=False).input_ids[0]
+    base = {"op": "submit", "prompt_token_ids": prompt_ids(0, 5),
+            "params": {"max_tokens": 4, "ignore_eos": True},
+            "output_token_ids": [the, the], "output_text_offset": 4}
+    dealer.send(msgpack.packb({**base, "id": "bad", "output_token_ids": [the] * 4}))
+    dealer.send(msgpack.packb({**base, "id": "r"}))
+    server._drain(5000)
+    msgs = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        server._step()
+    while dealer.poll(5000 if not msgs or msgs[-1].get("finish_reason") is None else 0):
+        msgs.append(msgpack.unpackb(dealer.recv(), raw=False))
+    err, *outs = msgs
+    assert err["id"] == "bad" and err["code"] == "rejected"
+    assert "fewer than max_tokens" in err["message"]
+    assert [m["token_ids"] for m in outs] == [[the], [the]]
+    # The client had 4 of the 8 characters " the the": the other 4 come first.
+    assert "".join(m["text"] for m in outs) == " the the the"
+    assert outs[-1]["finish_reason"] == "length"
+    assert outs[-1]["usage"]["completion_tokens"] == 4
