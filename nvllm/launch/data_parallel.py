@@ -33,7 +33,7 @@ from nvllm.common.client import LINK_GRACE_S
 from nvllm.common.proc import stop_on_signals
 from nvllm.common.shm_segments import sweep_orphan_segments
 from nvllm.common.zmq_utils import private_ipc_dir
-from nvllm.launch.supervisor import STOP_TIMEOUT_S, Supervisor, stop_processes
+from nvllm.launch.supervisor import STOP_TIMEOUT_S, Start, Supervisor, stop_processes
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
         max_client_outbox=defaults.max_client_outbox,
         max_client_frames_per_step=defaults.max_client_frames_per_step)
 
-    def replica(index: int) -> Any:
+    def replica(index: int) -> Start:
         return lambda replica_port: start_replica(
             index, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
             shutdown_timeout, log_level, replica_port)
@@ -182,13 +182,14 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
         supervisor.run(stop)
     finally:
         stop.set()
-        procs = supervisor.procs() if supervisor else [p for p, _ in replicas] + (
-            [router[0]] if router else [])
+        procs = supervisor.procs() if supervisor else {}
+        router_proc = procs.pop("router", router[0] if router else None)
         if gateway_proc is not None:
             stop_processes([gateway_proc])
         # The router first: it drains its requests while the replicas still serve them.
-        stop_processes(procs[-1:] if router else [], STOP_TIMEOUT_S + shutdown_timeout)
-        stop_processes(procs[:-1] if router else procs)
+        if router_proc is not None:
+            stop_processes([router_proc], STOP_TIMEOUT_S + shutdown_timeout)
+        stop_processes(list(procs.values()) or [p for p, _ in replicas])
         if supervisor is not None:
             sweep_orphan_segments(supervisor.owners())
         shutil.rmtree(folder, ignore_errors=True)

@@ -97,9 +97,10 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def procs(self) -> list[subprocess.Popen]:
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """Each child's current process, by name."""
         with self._lock:
-            return [c.proc for c in self.children]
+            return {c.name: c.proc for c in self.children}
 
     def owners(self) -> set[int]:
         return set().union(*(c.owners for c in self.children))

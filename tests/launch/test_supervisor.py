@@ -40,7 +40,7 @@ def supervise(sup: sv.Supervisor, until, timeout_s: float = 30) -> None:
     finally:
         stop.set()
         thread.join(10)
-        sv.stop_processes(sup.procs())
+        sv.stop_processes(list(sup.procs().values()))
 
 
 def test_a_replica_that_keeps_dying_is_restarted_on_its_port_then_given_up(fast, tmp_path,
