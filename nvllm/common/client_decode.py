@@ -93,6 +93,9 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
         priority: Int64 | None = 0
         ttl_ms: TtlMs | None = None
         routing_key: _bounded_str(lim.max_request_id_bytes) | None = None  # type: ignore[valid-type]
+        output_token_ids: Annotated[list[TokenId], Meta(
+            max_length=lim.max_model_len)] | None = None
+        output_text_offset: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
         stream: Literal[True] = True  # every request streams (docs/protocol.md)
         v: Literal[1] = 1
 
@@ -350,7 +353,8 @@ def _submit(frame: Any, lim: ClientLimits) -> cp.Submit:
     except (TypeError, ValueError) as e:
         raise bad(str(e)) from None
     return cp.Submit(rid, frame.prompt, frame.prompt_token_ids, params,
-                     frame.priority or 0, frame.ttl_ms, frame.routing_key)
+                     frame.priority or 0, frame.ttl_ms, frame.routing_key,
+                     frame.output_token_ids, frame.output_text_offset)
 
 
 def _params(raw: Any, lim: ClientLimits) -> SamplingParams:

@@ -56,6 +56,12 @@ class Submit(ClientMessage, tag="submit"):
     # Requests with the same key go to the same data-parallel replica while it is up
     # (nvllm/router: the OpenAI ``user``); a single engine ignores it.
     routing_key: str | None = None
+    # Resuming a stream elsewhere (the data-parallel router's replay of a lost replica's
+    # request): the completion's tokens already produced, which the leader takes as its
+    # own outputs (max_tokens counts them, penalties and the grammar see them), and how
+    # many characters of their text the client already has (None: what a leader streams).
+    output_token_ids: list[int] | None = None
+    output_text_offset: int | None = None
     OP: ClassVar[str] = "submit"
 
 

@@ -21,6 +21,7 @@ _LIMIT_OF = {
     "id": "max_request_id_bytes",
     "prompt": "max_prompt_bytes",
     "prompt_token_ids": "max_model_len",
+    "output_token_ids": "max_model_len",
     "params.n": "max_n",
     "params.stop_token_ids": "max_stop_token_ids",
     "params.logit_bias": "max_logit_bias",
@@ -114,7 +115,7 @@ def _bound(field: str, path: str, what: str, limits: ClientLimits) -> FieldError
     rng = re.match(r"Expected `(\w+)` (<=|>=|<|>) (\S+)", what)
     if rng:
         kind, op, n = rng.groups()
-        if field in ("prompt_token_ids", "params.stop_token_ids"):
+        if field in ("prompt_token_ids", "output_token_ids", "params.stop_token_ids"):
             return FieldError(code, field, f"{path} is outside the vocabulary (token ids are "
                                            f"integers in [0, 2**63))")
         if n.lstrip("-").isdigit() and int(n) in (INT64_MAX, INT64_MIN):

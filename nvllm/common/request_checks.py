@@ -84,5 +84,29 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, limits: ClientLimits) ->
             f"exceeds max_model_len {limit}; lower max_tokens to {limit - n} or less")
 
 
+def check_resume(output_token_ids: Any, text_offset: Any, params: SamplingParams,
+                 limits: ClientLimits) -> list[int]:
+    """Tokens a resumed completion already produced (Submit.output_token_ids): inside the
+    vocabulary, fewer than max_tokens (a completion that produced max_tokens is finished),
+    for one completion (n=1: each of n completions has tokens of its own)."""
+    if not isinstance(output_token_ids, (list, tuple)):
+        raise RequestRejected("output_token_ids must be a list of token ids")
+    if params.n != 1:
+        raise RequestRejected(f"output_token_ids resumes one completion, but n={params.n}; "
+                              "resume each completion as its own request with n=1")
+    if len(output_token_ids) >= params.max_tokens:
+        raise RequestRejected(f"output_token_ids holds {len(output_token_ids)} tokens; a "
+                              f"resumed completion must have fewer than max_tokens "
+                              f"({params.max_tokens})")
+    vocab = limits.vocab_size
+    for pos, t in enumerate(output_token_ids):
+        if not is_int(t) or t < 0 or (vocab is not None and t >= vocab):
+            raise RequestRejected(f"output_token_ids[{pos}] is outside the vocabulary "
+                                  f"({_valid_ids(vocab)})")
+    if text_offset is not None and (not is_int(text_offset) or text_offset < 0):
+        raise RequestRejected("output_text_offset must be a non-negative integer or null")
+    return list(output_token_ids)
+
+
 def _valid_ids(vocab: int | None) -> str:
     return "token ids are integers from 0" if vocab is None else f"valid ids are 0..{vocab - 1}"

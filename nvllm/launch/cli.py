@@ -169,8 +169,8 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
             raise click.UsageError("--data-parallel-size > 1 serves clients on one node: "
                                    "not with --prompt, --demo, --nnodes or --leader-only")
         logging.basicConfig(level=log_level,
-                            format="%(asctime)s nvllm-router %(levelname)s %(message)s")
-        set_process_title("nvllm-router")
+                            format="%(asctime)s nvllm-dp-launch %(levelname)s %(message)s")
+        set_process_title("nvllm-dp-launch")
         dp = DataParallelOptions(data_parallel_size, router_policy, router_cache_threshold,
                                  router_balance_abs_threshold, router_balance_rel_threshold)
         gateway = None if http_port is None else dict(

@@ -1,13 +1,17 @@
 """``nvllm-launch --data-parallel-size N``: N engine replicas behind one router.
 
-The launching process runs the router (nvllm/router/server.py) on the launch's client
-endpoint and starts each replica as a child process (``python -m
-nvllm.launch.data_parallel``, its spec in an environment variable, as workers get
-theirs): a leader with its own tensor-parallel workers, serving on a loopback port of its
-own, which it writes to a file in a private folder once its engine is ready. Replicas die
-with the launcher (PR_SET_PDEATHSIG and a parent watch). The launcher waits for every
-replica, then serves until SIGINT/SIGTERM; a replica that exits meanwhile is logged and
-the router stops routing to it (restarting it is not done yet: docs/data-parallel.md).
+The launching process supervises its children (nvllm/launch/supervisor.py), each started
+as ``python -m nvllm.launch.data_parallel`` with its spec in an environment variable (as
+workers get theirs) and writing its endpoint to a file in a private folder once it
+serves: N replicas, each a leader with its own tensor-parallel workers on a loopback
+port of its own, then the router (nvllm/router/server.py) on the launch's client
+endpoint. Children die with the launcher (PR_SET_PDEATHSIG and a parent watch), not with
+each other. The launcher serves until SIGINT/SIGTERM. A replica that exits meanwhile has
+the segments it and its workers left removed and is started again on its port (the
+router, which replayed its requests elsewhere, routes to it again once it answers
+``health`` ready); a router that exits is started again on its port after the clients'
+LINK_GRACE_S has failed the requests it had (docs/data-parallel.md), and rebuilds its
+routing state from traffic.
 """
 
 from __future__ import annotations
@@ -20,19 +24,26 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import click
 
+from nvllm.common.client import LINK_GRACE_S
 from nvllm.common.proc import stop_on_signals
 from nvllm.common.shm_segments import sweep_orphan_segments
 from nvllm.common.zmq_utils import private_ipc_dir
+from nvllm.launch.supervisor import STOP_TIMEOUT_S, Start, Supervisor, stop_processes
 
 logger = logging.getLogger(__name__)
 
 SPEC_ENV = "NVLLM_REPLICA_SPEC"
-STOP_TIMEOUT_S = 15.0  # a replica's own shutdown (its workers too) after SIGTERM
+# A restarted router comes back only after its clients have given up the requests they
+# had on it: a client that reconnected sooner would wait for answers no router owes.
+# Twice the grace: a client sees the drop and checks the grace only between its reads
+# (up to PING_INTERVAL_S apart), later still when its machine is loaded.
+ROUTER_RESTART_DELAY_S = 2 * LINK_GRACE_S
+READY_WAIT_S = 30.0  # a (re)started router waits this long for its replicas' answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +57,46 @@ class DataParallelOptions:
 
 def start_replica(index: int, model: str, engine_kwargs: dict[str, Any], folder: str,
                   served_model_name: str | None, max_frame_bytes: int,
-                  shutdown_timeout: float, log_level: str) -> tuple[subprocess.Popen, str]:
-    """One replica's leader process; returns it and the file its endpoint will be in."""
+                  shutdown_timeout: float, log_level: str, port: int = 0
+                  ) -> tuple[subprocess.Popen, str]:
+    """One replica's leader process (serving on loopback `port`, 0: one it picks);
+    returns it and the file its endpoint will be in."""
     endpoint_file = os.path.join(folder, f"replica-{index}.endpoint")
-    spec = {"index": index, "model": model, "engine_kwargs": engine_kwargs,
+    if os.path.exists(endpoint_file):  # a dead predecessor's
+        os.unlink(endpoint_file)
+    spec = {"role": "replica", "index": index, "model": model, "engine_kwargs": engine_kwargs,
             "endpoint_file": endpoint_file, "served_model_name": served_model_name,
             "max_frame_bytes": max_frame_bytes, "shutdown_timeout": shutdown_timeout,
-            "log_level": log_level, "parent_pid": os.getpid()}
+            "log_level": log_level, "parent_pid": os.getpid(), "port": port}
+    return _spawn(spec), endpoint_file
+
+
+def start_router(endpoints: list[str], config: Any, folder: str, host: str, port: int,
+                 curve_key_dir: str | None, max_frame_bytes: int, shutdown_timeout: float,
+                 log_level: str) -> tuple[subprocess.Popen, str]:
+    """The router's process (a RouterConfig `config`, on host:`port`, 0: one it picks);
+    returns it and the file its endpoint will be in."""
+    endpoint_file = os.path.join(folder, "router.endpoint")
+    if os.path.exists(endpoint_file):
+        os.unlink(endpoint_file)
+    spec = {"role": "router", "endpoints": endpoints, "config": asdict(config),
+            "host": host, "port": port, "curve_key_dir": curve_key_dir,
+            "max_frame_bytes": max_frame_bytes, "shutdown_timeout": shutdown_timeout,
+            "log_level": log_level, "endpoint_file": endpoint_file,
+            "parent_pid": os.getpid()}
+    return _spawn(spec), endpoint_file
+
+
+def _spawn(spec: dict[str, Any]) -> subprocess.Popen:
     env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
-    proc = subprocess.Popen([sys.executable, "-m", "nvllm.launch.data_parallel"], env=env,
+    return subprocess.Popen([sys.executable, "-m", "nvllm.launch.data_parallel"], env=env,
                             stdin=subprocess.DEVNULL)
-    return proc, endpoint_file
 
 
-def wait_for_endpoints(replicas: list[tuple[subprocess.Popen, str]],
-                       timeout_s: float) -> list[str]:
-    """Each replica's endpoint, once all are serving; a replica that exits first, or a
-    wait past `timeout_s`, is an error naming it."""
+def wait_for_endpoints(replicas: list[tuple[subprocess.Popen, str]], timeout_s: float,
+                       what: str = "replica") -> list[str]:
+    """Each child's endpoint, once all are serving; a child that exits first, or a wait
+    past `timeout_s`, is an error naming it."""
     deadline = time.monotonic() + timeout_s
     endpoints: dict[int, str] = {}
     while len(endpoints) < len(replicas):
@@ -73,62 +107,14 @@ def wait_for_endpoints(replicas: list[tuple[subprocess.Popen, str]],
                 with open(path) as f:
                     endpoints[i] = f.read().strip()
             elif proc.poll() is not None:
-                raise RuntimeError(f"replica {i} (pid {proc.pid}) exited with code "
+                raise RuntimeError(f"{what} {i} (pid {proc.pid}) exited with code "
                                    f"{proc.returncode} before it served (its log is above)")
         if time.monotonic() > deadline:
             missing = sorted(set(range(len(replicas))) - set(endpoints))
-            raise TimeoutError(f"replicas {missing} did not start within {timeout_s:.0f} s "
+            raise TimeoutError(f"{what} {missing} did not start within {timeout_s:.0f} s "
                                f"(worker_start_timeout_s)")
         time.sleep(0.1)
     return [endpoints[i] for i in range(len(replicas))]
-
-
-def stop_replicas(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM (each drains and stops its workers), then SIGKILL what is left."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def child_pids(pid: int) -> set[int]:
-    """The live processes whose parent is `pid` (from /proc; empty where there is none)."""
-    out = set()
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.add(int(entry))
-    return out
-
-
-def _watch_replicas(procs: list[subprocess.Popen], owners: list[set[int]],
-                    stop: threading.Event) -> None:
-    """Log each replica that exits while serving (the router sees its connection drop),
-    and remove the shared-memory segments it or its workers (`owners[i]`: their pids)
-    left: a SIGKILLed leader unlinks nothing, and its workers die with it."""
-    reported: set[int] = set()
-    while not stop.wait(0.5):
-        for i, p in enumerate(procs):
-            if i not in reported and p.poll() is not None:
-                reported.add(i)
-                logger.error("replica %d (pid %d) exited with code %s; the router no longer "
-                             "routes to it (it is not restarted)", i, p.pid, p.returncode)
-                stop.wait(1.0)  # its workers notice their parent is gone
-                swept = sweep_orphan_segments(owners[i])
-                if swept:
-                    logger.info("removed %d shared-memory segment(s) of exited processes: "
-                                "%s", len(swept), swept)
 
 
 def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[str, Any], *,
@@ -136,69 +122,125 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
                       curve_key_dir: str | None, max_frame_bytes: int,
                       shutdown_timeout: float, log_level: str,
                       gateway: dict[str, Any] | None) -> None:
-    """Start the replicas, then route on host:port (and start the HTTP gateway on the
-    router when `gateway` holds start_gateway_process's arguments) until a signal."""
+    """Start the replicas, then the router on host:port (and the HTTP gateway on the
+    router when `gateway` holds start_gateway_process's arguments); keep them up until a
+    signal."""
     from nvllm.common.config import EngineConfig
     from nvllm.router.policy import CacheAwareConfig
-    from nvllm.router.server import Router, RouterConfig
+    from nvllm.router.server import RouterConfig
 
     defaults = EngineConfig(model=model, **engine_kwargs)  # checks the options once, here
     folder = private_ipc_dir("nvllm-dp-")
     replicas: list[tuple[subprocess.Popen, str]] = []
-    router = gateway_proc = None
-    owners: list[set[int]] = []
+    router: tuple[subprocess.Popen, str] | None = None
+    gateway_proc = supervisor = None
+    stop = threading.Event()
+    config = RouterConfig(
+        policy=dp.router_policy,
+        cache_aware=CacheAwareConfig(dp.cache_threshold, dp.balance_abs_threshold,
+                                     dp.balance_rel_threshold),
+        client_timeout_s=defaults.client_timeout_s,
+        max_request_id_bytes=defaults.max_request_id_bytes,
+        max_client_outbox=defaults.max_client_outbox,
+        max_client_frames_per_step=defaults.max_client_frames_per_step)
+
+    def replica(index: int) -> Start:
+        return lambda replica_port: start_replica(
+            index, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
+            shutdown_timeout, log_level, replica_port)
+
     try:
-        for i in range(dp.size):
-            replicas.append(start_replica(i, model, engine_kwargs, folder, served_model_name,
-                                          max_frame_bytes, shutdown_timeout, log_level))
-        endpoints = wait_for_endpoints(replicas, defaults.worker_start_timeout_s + 60)
-        # Each replica's processes (its leader, its workers: started by now), whose
-        # segments the launcher removes if they die without doing so.
-        owners = [{p.pid} | child_pids(p.pid) for p, _ in replicas]
-        config = RouterConfig(
-            policy=dp.router_policy,
-            cache_aware=CacheAwareConfig(dp.cache_threshold, dp.balance_abs_threshold,
-                                         dp.balance_rel_threshold),
-            client_timeout_s=defaults.client_timeout_s,
-            max_request_id_bytes=defaults.max_request_id_bytes,
-            max_client_outbox=defaults.max_client_outbox,
-            max_client_frames_per_step=defaults.max_client_frames_per_step)
-        router = Router(endpoints, config, host=host, port=port, curve_key_dir=curve_key_dir,
-                        max_frame_bytes=max_frame_bytes)
-        stop = threading.Event()
-        stop_on_signals(stop)
-        click.echo(f"serving on {router.endpoint}; Ctrl-C to stop")
+        replicas = [replica(i)(0) for i in range(dp.size)]
+        start_timeout_s = defaults.worker_start_timeout_s + 60
+        endpoints = wait_for_endpoints(replicas, start_timeout_s)
+        # Records each replica's processes (its leader, its workers: started by now),
+        # whose segments the launcher removes if they die without doing so.
+        supervisor = Supervisor(start_timeout_s)
+        for i, ((proc, _), ep) in enumerate(zip(replicas, endpoints)):
+            supervisor.add(f"replica {i}", proc, ep, replica(i), sweep_segments=True)
+
+        def start_the_router(router_port: int) -> tuple[subprocess.Popen, str]:
+            return start_router(endpoints, config, folder, host, router_port,
+                                curve_key_dir, max_frame_bytes, shutdown_timeout,
+                                log_level)
+
+        router = start_the_router(port)
+        (endpoint,) = wait_for_endpoints([router], 60, "router")
+        supervisor.add("router", router[0], endpoint, start_the_router,
+                       min_delay_s=ROUTER_RESTART_DELAY_S)
+        click.echo(f"serving on {endpoint}; Ctrl-C to stop")
         click.echo(f"data parallel: {dp.size} replicas (pids "
                    f"{[p.pid for p, _ in replicas]}) at {endpoints}, router policy "
-                   f"{dp.router_policy}")
+                   f"{dp.router_policy} (router pid {router[0].pid})")
         if gateway is not None:
             from nvllm.launch.openai.cli import start_gateway_process
 
-            gateway_proc = start_gateway_process(router.endpoint, **gateway)
+            gateway_proc = start_gateway_process(endpoint, **gateway)
             click.echo(f"OpenAI-compatible HTTP gateway on http://{gateway['host']}:"
                        f"{gateway['port']}/v1 (pid {gateway_proc.pid})")
-        watcher = threading.Thread(target=_watch_replicas,
-                                   args=([p for p, _ in replicas], owners, stop), daemon=True)
-        watcher.start()
-        router.serve(stop, shutdown_timeout)
+        stop_on_signals(stop)  # (before this, a signal interrupts the start-up)
+        supervisor.run(stop)
     finally:
+        stop.set()
+        procs = supervisor.procs() if supervisor else {}
+        router_proc = procs.pop("router", router[0] if router else None)
         if gateway_proc is not None:
-            stop_replicas([gateway_proc])
-        stop_replicas([p for p, _ in replicas])
-        sweep_orphan_segments(set().union(*owners))
-        if router is not None:
-            router.close()
+            stop_processes([gateway_proc])
+        # The router first: it drains its requests while the replicas still serve them.
+        if router_proc is not None:
+            stop_processes([router_proc], STOP_TIMEOUT_S + shutdown_timeout)
+        stop_processes(list(procs.values()) or [p for p, _ in replicas])
+        if supervisor is not None:
+            sweep_orphan_segments(supervisor.owners())
         shutil.rmtree(folder, ignore_errors=True)
         click.echo("shutting down")
 
 
-def _replica_main() -> None:
+def _write_endpoint(path: str, endpoint: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(endpoint)
+    os.replace(tmp, path)  # the launcher never reads half of it
+
+
+def _router_main(spec: dict[str, Any]) -> None:
+    """The router: connect to the replicas, serve on the launch's client endpoint, write
+    it where the launcher looks, route until SIGTERM."""
+    from nvllm.common.proc import die_with_parent, set_process_title
+    from nvllm.router.policy import CacheAwareConfig
+    from nvllm.router.server import Router, RouterConfig
+
+    set_process_title("nvllm-router")
+    die_with_parent(spec["parent_pid"])
+    stop = threading.Event()
+    stop_on_signals(stop)
+    fields = dict(spec["config"])
+    fields["cache_aware"] = CacheAwareConfig(**fields["cache_aware"])
+    router = Router(spec["endpoints"], RouterConfig(**fields), host=spec["host"],
+                    port=spec["port"], curve_key_dir=spec["curve_key_dir"],
+                    max_frame_bytes=spec["max_frame_bytes"])
+    thread = threading.Thread(target=router.serve, args=(stop, spec["shutdown_timeout"]),
+                              name="nvllm-router")
+    try:
+        thread.start()
+        # Announced once every replica answered (or after READY_WAIT_S with those that
+        # did): a client told "serving on" then finds replicas to route to.
+        deadline = time.monotonic() + READY_WAIT_S
+        while not router.ready() and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.05)
+        _write_endpoint(spec["endpoint_file"], router.endpoint)
+        while thread.is_alive():
+            thread.join(0.5)  # (the main thread takes the signals)
+    finally:
+        stop.set()
+        thread.join()
+        router.close()
+
+
+def _replica_main(spec: dict[str, Any]) -> None:
     """A replica: build the engine, serve on a loopback port, write it where the launcher
     looks, serve until SIGTERM."""
-    spec = json.loads(os.environ[SPEC_ENV])
     index = spec["index"]
-    logging.basicConfig(level=spec["log_level"],
-                        format=f"%(asctime)s nvllm-leader-r{index} %(levelname)s %(message)s")
     from nvllm.common.config import EngineConfig
     from nvllm.common.proc import die_with_parent, set_process_title
     from nvllm.launch import engine_builder
@@ -211,13 +253,11 @@ def _replica_main() -> None:
     engine = engine_builder.build_engine(EngineConfig(model=spec["model"],
                                                       **spec["engine_kwargs"]))
     try:
-        server = EngineServer(engine, "127.0.0.1", 0, model_name=spec["served_model_name"],
+        server = EngineServer(engine, "127.0.0.1", spec["port"],
+                              model_name=spec["served_model_name"],
                               max_frame_bytes=spec["max_frame_bytes"])
         try:
-            tmp = spec["endpoint_file"] + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(server.endpoint)
-            os.replace(tmp, spec["endpoint_file"])  # the launcher never reads half of it
+            _write_endpoint(spec["endpoint_file"], server.endpoint)
             server.serve(stop, spec["shutdown_timeout"])
         finally:
             server.close()
@@ -225,5 +265,13 @@ def _replica_main() -> None:
         engine.shutdown()
 
 
+def _child_main() -> None:
+    spec = json.loads(os.environ[SPEC_ENV])
+    name = "nvllm-router" if spec["role"] == "router" else f"nvllm-leader-r{spec['index']}"
+    logging.basicConfig(level=spec["log_level"],
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    (_router_main if spec["role"] == "router" else _replica_main)(spec)
+
+
 if __name__ == "__main__":
-    _replica_main()
+    _child_main()

@@ -156,7 +156,9 @@ class LLMEngine(WeightSync, WeightSources):
                params: SamplingParams | None = None, *,
                prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                priority: int = 0, ttl_ms: float | None = None,
-               grammar: CompiledGrammar | Future | None = None) -> Request:
+               grammar: CompiledGrammar | Future | None = None,
+               output_token_ids: list[int] | None = None,
+               output_text_offset: int | None = None) -> Request:
         """Process a prompt (text, or token ids as `prompt` or `prompt_token_ids`) into a
         request and admit it; returns the admitted Request.
 
@@ -164,10 +166,13 @@ class LLMEngine(WeightSync, WeightSources):
         a `request_id` already in use), Overloaded past max_queued_requests. A constrained
         request brings its compiled `grammar` (``grammar_future``, or its result; a future
         is waited on after the prompt is checked); without one it is compiled here,
-        blocking (the offline API), and GrammarError is its refusal."""
+        blocking (the offline API), and GrammarError is its refusal. `output_token_ids`
+        resumes a completion another engine started (InputProcessor.process)."""
         req = self.input_processor.process(prompt, params, request_id=request_id,
                                            prompt_token_ids=prompt_token_ids,
-                                           priority=priority, ttl_ms=ttl_ms)
+                                           priority=priority, ttl_ms=ttl_ms,
+                                           output_token_ids=output_token_ids,
+                                           output_text_offset=output_text_offset)
         if isinstance(grammar, Future):
             grammar = grammar.result()
         return self._admit(req, grammar)

@@ -18,6 +18,7 @@ from nvllm.common.request_checks import (
     check_fits,
     check_params,
     check_prompt_ids,
+    check_resume,
     check_scheduling,
 )
 from nvllm.common.sampling_params import SamplingParams
@@ -41,8 +42,14 @@ class InputProcessor:
     def process(self, prompt: str | list[int] | None = None,
                 params: SamplingParams | None = None, request_id: str | None = None,
                 prompt_token_ids: list[int] | None = None, priority: int = 0,
-                ttl_ms: float | None = None) -> Request:
-        """A request ready to admit, or RequestRejected saying which limit it breaks."""
+                ttl_ms: float | None = None, output_token_ids: list[int] | None = None,
+                output_text_offset: int | None = None) -> Request:
+        """A request ready to admit, or RequestRejected saying which limit it breaks.
+
+        output_token_ids: a completion resumed from elsewhere (a data-parallel replay):
+        its sequence starts with them as outputs already produced, which max_tokens
+        counts, penalties, min_tokens and the grammar see, and whose text the detokenizer
+        continues after output_text_offset characters (OutputProcessor.add_request)."""
         params = params or SamplingParams()
         check_scheduling(priority, ttl_ms)
         text = None
@@ -56,20 +63,23 @@ class InputProcessor:
             else:
                 prompt_token_ids = prompt
         ids = self._validate(prompt_token_ids, params)
+        produced = [] if output_token_ids is None else check_resume(
+            output_token_ids, output_text_offset, params, self.limits)
         params = params.clone(eos_token_ids=self.eos_token_ids)
         if params.stop and self.tokenizer is None:
             raise RequestRejected("stop strings need a tokenizer (the engine has none)")
         if request_id is None:
             request_id = str(next(self._request_ids))
-        req = Request(request_id, text, ids, params, priority=priority)
+        req = Request(request_id, text, ids, params, priority=priority,
+                      resume_text_offset=output_text_offset if produced else None)
         if ttl_ms is not None:
             req.deadline = req.arrival_time + ttl_ms / 1000.0
         for i in range(params.n):
             # Seeded completions of one request draw from consecutive seeds.
             p = params if params.n == 1 or params.seed is None else params.clone(
                 seed=(params.seed + i) % 2**63)
-            req.seqs.append(Sequence(next(self._seq_ids), request_id, list(ids), len(ids), p,
-                                     index=i, priority=priority,
+            req.seqs.append(Sequence(next(self._seq_ids), request_id, ids + produced,
+                                     len(ids), p, index=i, priority=priority,
                                      wants_prompt_logprobs=i == 0 and p.prompt_logprobs
                                      is not None))
         return req

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from nvllm.leader.detokenizer import IncrementalDetokenizer, fast_decoder
 from nvllm.leader.metrics import EngineMetrics
@@ -52,6 +53,22 @@ class EngineOutput:
         return None
 
 
+def resume_detokenizer(detok: IncrementalDetokenizer, produced: list[int],
+                       text_offset: int | None) -> None:
+    """Bring a fresh detokenizer to where a completion that produced `produced` was, its
+    client holding the first `text_offset` characters (None: as much as the stream
+    would have shown): the text after them streams next, none of it twice."""
+    _, hit_stop = detok.add(produced)
+    if hit_stop:
+        raise RequestRejected("the text of output_token_ids already holds a stop string: "
+                              "that completion has finished")
+    shown = max(0, len(detok.text) - detok.holdback) if text_offset is None else text_offset
+    if shown > len(detok.text):
+        raise RequestRejected(f"output_text_offset {text_offset} is past the "
+                              f"{len(detok.text)} characters output_token_ids decode to")
+    detok.sent = shown
+
+
 class OutputProcessor:
     """Owns the live requests (``requests``) and their per-completion output state."""
 
@@ -64,12 +81,19 @@ class OutputProcessor:
         self.weight_version: int | str | None = None
 
     def add_request(self, req: Request) -> None:
+        """Take a new request; RequestRejected (nothing kept) for a resumed one whose
+        produced text already ends it or is shorter than its text offset."""
         p = req.params
-        for seq in req.seqs:
-            req.detoks.append(None if self.tokenizer is None else IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, stop=p.stop,
-                include_stop_str_in_output=p.include_stop_str_in_output,
-                skip_special_tokens=p.skip_special_tokens, decode=self.decode))
+        detoks = [None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens, decode=self.decode)
+            for _ in req.seqs]
+        for seq, detok in zip(req.seqs, detoks):
+            if detok is not None and seq.num_output_tokens:
+                resume_detokenizer(detok, seq.output_token_ids, req.resume_text_offset)
+        for seq, detok in zip(req.seqs, detoks):
+            req.detoks.append(detok)
             req.logprobs.append(None)
             req.finish_reasons.append(None)
             req.last_token_time.append(0.0)

@@ -23,6 +23,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic time after which it ends with "timeout"
+    # A resumed completion (Submit.output_token_ids): characters of its produced tokens'
+    # text the client already has (None: as much as a leader would have streamed).
+    resume_text_offset: int | None = None
     # Per completion (index = Sequence.index), written by the OutputProcessor.
     detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
     logprobs: list[list | None] = field(default_factory=list)

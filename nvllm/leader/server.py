@@ -247,7 +247,9 @@ class EngineServer:
         try:
             self.engine.submit(msg.prompt if token_ids is None else None, msg.params,
                                prompt_token_ids=token_ids, request_id=internal,
-                               priority=msg.priority, ttl_ms=msg.ttl_ms, grammar=grammar)
+                               priority=msg.priority, ttl_ms=msg.ttl_ms, grammar=grammar,
+                               output_token_ids=msg.output_token_ids,
+                               output_text_offset=msg.output_text_offset)
             return True
         except Overloaded as e:
             self._error(client, msg.id, "overloaded", str(e))

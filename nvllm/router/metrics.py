@@ -54,7 +54,8 @@ def merge_expositions(texts: dict[int, str]) -> str:
 
 def router_exposition(router: Router) -> str:
     """The router's own families: requests routed per decision, each replica's in-flight
-    count and share of the prefix tree, and requests failed by a replica's loss."""
+    count and share of the prefix tree, requests replayed after a replica's loss and those
+    that could not be."""
     lines = ["# HELP nvllm_router:requests_routed_total Requests routed, by the policy's "
              "reason.", "# TYPE nvllm_router:requests_routed_total counter"]
     policy = router.policy.name
@@ -74,9 +75,15 @@ def router_exposition(router: Router) -> str:
                   "tree holds for each replica.", "# TYPE nvllm_router:prefix_tree_tokens gauge"]
         lines += [f'nvllm_router:prefix_tree_tokens{{replica="{lk.index}"}} '
                   f"{float(tree.size.get(lk.index, 0))}" for lk in router.links]
+    lines += ["# HELP nvllm_router:requests_replayed_total Requests resumed on another "
+              "replica after theirs (the label) went away.",
+              "# TYPE nvllm_router:requests_replayed_total counter"]
+    lines += [f'nvllm_router:requests_replayed_total{{replica="{lk.index}"}} '
+              f"{float(router.replayed.get(lk.index, 0))}" for lk in router.links]
     lines += ["# HELP nvllm_router:requests_failed_replica_lost_total Requests ended with an "
-              "error because their replica went away.",
-              "# TYPE nvllm_router:requests_failed_replica_lost_total counter",
-              f"nvllm_router:requests_failed_replica_lost_total "
-              f"{float(router.failed_by_replica_loss)}"]
+              "error because their replica (the label) went away and they could not be "
+              "replayed.", "# TYPE nvllm_router:requests_failed_replica_lost_total counter"]
+    lines += [f'nvllm_router:requests_failed_replica_lost_total{{replica="{lk.index}"}} '
+              f"{float(router.failed_by_replica_loss.get(lk.index, 0))}"
+              for lk in router.links]
     return "\n".join(lines) + "\n"

@@ -11,9 +11,10 @@ for the whole set (metrics with a ``replica`` label per replica, plus the router
 
 One thread: it reads the client socket and every replica's socket, never blocking on a
 send (a client that stops reading has an outbox, bounded as the leader's is). A replica
-whose connection drops fails the requests it had with one ``engine_unavailable`` error
-each (not replayed on another replica: docs/data-parallel.md) and gets no new ones until
-it answers ``health`` ready again.
+whose connection drops gets no new requests until it answers ``health`` ready again, and
+each request it had is replayed on another replica from what its client was shown
+(nvllm/router/replay.py), or, where that cannot be, ends with one ``engine_unavailable``
+error saying why.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from nvllm.router.policy import (
     make_policy,
     route,
 )
+from nvllm.router.replay import Flight
 from nvllm.router.replica import ReplicaLink
 
 logger = logging.getLogger(__name__)
@@ -72,16 +74,6 @@ class RouterConfig:
     max_request_id_bytes: int = 256
     max_client_outbox: int = 4096
     max_client_frames_per_step: int = 256
-
-
-@dataclass(slots=True)
-class _Flight:
-    """One client request on a replica."""
-
-    client: bytes
-    client_rid: Any
-    replica: int
-    remaining: int  # completions that have not sent their final message
 
 
 @dataclass(slots=True)
@@ -131,8 +123,10 @@ class Router:
         self.draining = False
         self.decisions: Counter[str] = Counter()
         self.routed_to: Counter[int] = Counter()  # replica -> requests routed there
-        self.failed_by_replica_loss = 0
-        self._flights: dict[int, _Flight] = {}  # the router's request id -> whose
+        # By the lost replica: requests resumed on another, and those that could not be.
+        self.replayed: Counter[int] = Counter()
+        self.failed_by_replica_loss: Counter[int] = Counter()
+        self._flights: dict[int, Flight] = {}  # the router's request id -> whose
         self._by_client: dict[bytes, dict[Any, int]] = defaultdict(dict)
         self._last_seen: dict[bytes, float] = {}
         self._outbox = ClientOutboxes(self.front, self.config.max_client_outbox)
@@ -238,6 +232,7 @@ class Router:
         if op == "abort":
             rid = self._by_client.get(client, {}).get(msg.get("id"))
             if rid is not None:
+                self._flights[rid].aborted = True  # a replay is aborted too
                 self.links[self._flights[rid].replica].send(cp.Abort(rid))
             return None
         if op == "info":
@@ -282,8 +277,8 @@ class Router:
         self.routed_to[replica] += 1
         params = msg.get("params")
         n = params.get("n", 1) if isinstance(params, dict) else 1
-        self._flights[ours] = _Flight(client, rid, replica,
-                                      n if type(n) is int and n >= 1 else 1)
+        self._flights[ours] = Flight(client, rid, replica,
+                                     n if type(n) is int and n >= 1 else 1, msg)
         live[rid] = ours
         link.load += 1
 
@@ -376,6 +371,8 @@ class Router:
         if f is None:  # its client was evicted or went silent, or the replica was lost
             return
         msg["id"] = f.client_rid
+        if msg.get("op") == "output":
+            f.forwarded(msg)
         self._send(f.client, msg)
         if msg.get("op") == "error":
             f.remaining = 0
@@ -396,20 +393,49 @@ class Router:
             self.links[f.replica].send(cp.Abort(rid))
 
     def _replica_lost(self, link: ReplicaLink) -> None:
-        """Its connection dropped: every request it had ends here with one error."""
+        """Its connection dropped: every request it had is replayed elsewhere, or ends
+        here with one error saying why it could not be."""
         lost = [rid for rid, f in self._flights.items() if f.replica == link.index]
-        logger.error("replica %d (%s) is gone: %s; failing its %d request(s) in flight",
+        logger.error("replica %d (%s) is gone: %s; replaying its %d request(s) in flight",
                      link.index, link.endpoint, link.reason, len(lost))
-        self.failed_by_replica_loss += len(lost)
+        self.policy.replica_lost(link.index)
         for rid in lost:
             f = self._flights[rid]
-            self._send(f.client, cp.Error(f.client_rid, "engine_unavailable", (
-                f"replica {link.index} went away while this request ran; it was not "
-                f"replayed on another replica (docs/data-parallel.md)")))
-            self._drop(rid)
-        self.policy.replica_lost(link.index)
+            why = f.why_not_replayable() or self._replay(rid, f)
+            if why is not None:
+                self.failed_by_replica_loss[link.index] += 1
+                self._send(f.client, cp.Error(f.client_rid, "engine_unavailable", (
+                    f"replica {link.index} went away while this request ran, and it "
+                    f"could not be replayed on another: {why} (docs/data-parallel.md)")))
+                self._drop(rid)
         for ask in self._metrics_asks:
             ask.waiting.discard(link.index)
+
+    def _replay(self, rid: int, f: Flight) -> str | None:
+        """Resume `f` on another replica under a new id (the lost replica's late messages,
+        if any, then match nothing); None when sent, else why not."""
+        try:
+            replica, _ = route(self.policy, self.sticky, self._routing_tokens(f.submit),
+                               f.submit.get("routing_key"), [lk.load for lk in self.links],
+                               [lk.up for lk in self.links])
+        except NoReplicaError:
+            return f"no other replica is up ({self._why_down()})"
+        ours = next(self._ids)
+        link = self.links[replica]
+        if not link.send(f.resume_submit(ours)):
+            return f"replica {replica} cannot take requests now"
+        if f.aborted:
+            link.send(cp.Abort(ours))  # it ends there, with the final message it owes
+        self.replayed[f.replica] += 1
+        self.links[f.replica].load -= 1
+        del self._flights[rid]
+        f.replica, f.replays = replica, f.replays + 1
+        self._flights[ours] = f
+        self._by_client[f.client][f.client_rid] = ours
+        link.load += 1
+        logger.info("request %r of client %s replayed on replica %d after %d token(s)",
+                    f.client_rid, f.client.hex()[:10], replica, len(f.token_ids))
+        return None
 
     def _sweep_silent_clients(self, now: float) -> None:
         if now - self._last_sweep < 0.5:

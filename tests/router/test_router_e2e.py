@@ -2,7 +2,9 @@
 router), and in-process routers with other policies over the same replicas: a
 multi-tenant workload's cached-prompt fraction with cache_aware against round_robin,
 greedy output equal to one engine's, identical prompts spread by load, sticky keys,
-control messages, a replica whose leader goes away, and a clean SIGINT."""
+control messages, a replica whose leader goes away (its requests resumed on the other,
+the replica restarted), a router that goes away (restarted without the replicas), and a
+clean SIGINT."""
 
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ KV_BLOCKS = 90
 
 @pytest.fixture(scope="module")
 def launched(tiny):
-    """nvllm-launch --data-parallel-size 2: its router's endpoint, its replicas' own
-    endpoints (for in-process routers with other policies) and pids."""
+    """nvllm-launch --data-parallel-size 2: its router's endpoint and pid, its replicas'
+    own endpoints (for in-process routers with other policies) and pids."""
     http_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nvllm.launch.cli", "--model", tiny("qwen3"),
@@ -52,6 +54,7 @@ def launched(tiny):
         m = re.search(r"2 replicas \(pids \[(\d+), (\d+)\]\) at \['(\S+)', '(\S+)'\]", text)
         assert m is not None, text
         yield SimpleNamespace(proc=proc, pids=[int(m[1]), int(m[2])],
+                              router_pid=int(re.search(r"router pid (\d+)", text)[1]),
                               replicas=[m[3], m[4]], http=f"http://127.0.0.1:{http_port}",
                               endpoint=re.search(r"serving on (tcp://\S+);", text)[1])
     finally:
@@ -153,9 +156,10 @@ def test_the_http_gateway_serves_through_the_router(launched):
     assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= SYSTEM_LEN
 
 
-def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
-    """Replica 0's leader goes away mid-request: that request ends with exactly one error,
-    the router stops routing there, and replica 1 (real) serves the next requests."""
+def test_a_lost_replicas_request_resumes_on_the_other(launched):
+    """Replica 0 (a fake) streams one token and its leader goes away: the request resumes
+    on replica 1 (real) from that token, ends once after max_tokens in all, and the
+    router routes nothing more to replica 0."""
     dying = StallingLeader()
     r = start_router([dying.endpoint, launched.replicas[0]], "round_robin")
     try:
@@ -163,9 +167,10 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
             stream = c.stream([9] * 20, GREEDY)
             assert next(stream).token_ids == [5]
             dying.die()
-            with pytest.raises(EngineDeadError, match="replica 0 went away"):
-                next(stream)
-            assert r.router.failed_by_replica_loss == 1
+            rest = list(stream)
+            assert [d.finish_reason for d in rest][-1] == "length"
+            assert sum(len(d.token_ids) for d in rest) == 3
+            assert (r.router.replayed, r.router.failed_by_replica_loss) == ({0: 1}, {})
             assert c.health()["reason"].startswith("1 of 2 replicas up (replica 0: ")
             outs = [c.generate([1, 2, 3], GREEDY) for _ in range(3)]
             assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
@@ -175,52 +180,111 @@ def test_a_lost_replica_fails_its_requests_once_and_gets_no_more(launched):
         stop_router(r)
 
 
-def test_a_sigkilled_replica_ends_its_requests_once_and_everything_stops(launched, procs):
-    """SIGKILL replica 1's leader with requests in flight on both: each ends exactly once
-    (finished on replica 0, or one error), replica 0 goes on serving, the launcher removes
-    what the dead replica left in /dev/shm, and SIGINT then stops every process."""
+def test_a_killed_router_comes_back_on_its_port_and_the_replicas_stay(launched, procs):
+    """SIGKILL the router with a request in flight: its client fails it once the
+    connection is gone past LINK_GRACE_S, the launcher starts the router again on its
+    port after that, and the same client's next requests are served by the same
+    replicas (their processes untouched)."""
+    with Client(launched.endpoint, timeout_s=60) as c:
+        stream = c.stream([60] * 8, {"temperature": 0.0, "max_tokens": 400,
+                                     "ignore_eos": True})
+        next(stream)
+        os.kill(launched.router_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="lost the connection"):
+            list(stream)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                out = c.generate([1, 2, 3], GREEDY)
+                break
+            except EngineDeadError:  # not back yet, or back with no replica up yet
+                assert time.monotonic() < deadline, "the router did not come back"
+                time.sleep(0.5)
+        assert len(out.outputs[0].token_ids) == 4
+        assert c.health() == {"op": "health", "ready": True}
+    assert all(procs.pid_alive(p) for p in launched.pids)
+
+
+def test_a_sigkilled_replica_is_replayed_restarted_and_everything_stops(launched, procs):
+    """SIGKILL replica 1's leader while several greedy streams run on both: each stream
+    ends exactly once, its tokens and text equal one engine's (no token or character
+    repeated or missing); the launcher removes what the dead replica left in /dev/shm and
+    starts it again on its port, the router routes to it again; SIGINT then stops every
+    process, the restarted ones too."""
     workers = [w for pid in launched.pids for w in procs.worker_pids_of(pid)]
     assert len(workers) == 2
-    long = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+    long = {"temperature": 0.0, "max_tokens": 120, "ignore_eos": True}
+    prompts = [[50 + k] * 8 for k in range(6)]
 
     async def load() -> list:
         client = AsyncClient(launched.endpoint, timeout_s=120)
-        started = asyncio.Event()
+        started = [asyncio.Event() for _ in prompts]
 
         async def one(k: int):
-            ends = []
+            ids, text, ends = [], "", []
             try:
-                async for d in client.stream([50 + k] * 8, long):
-                    started.set()
+                async for d in client.stream(prompts[k], long):
+                    started[k].set()
+                    ids += d.token_ids
+                    text += d.text
                     if d.finish_reason is not None:
                         ends.append(d.finish_reason)
             except EngineDeadError as e:
                 ends.append(str(e))
-            return ends
+            return ids, text, ends
 
-        tasks = [asyncio.create_task(one(k)) for k in range(6)]
-        await started.wait()
+        tasks = [asyncio.create_task(one(k)) for k in range(len(prompts))]
+        for e in started:  # every stream has shown tokens: those on replica 1 resume
+            await e.wait()
         os.kill(launched.pids[1], signal.SIGKILL)
         try:
             return await asyncio.gather(*tasks)
         finally:
             client.close()
 
-    ends = asyncio.run(load())
-    assert all(len(e) == 1 for e in ends), ends
-    lost = [e[0] for e in ends if e[0] != "length"]
-    assert lost and all("replica 1 went away" in e for e in lost), ends
-    with Client(launched.endpoint, timeout_s=60) as c:
-        assert c.health()["reason"].startswith("1 of 2 replicas up (replica 1: ")
-        assert len(c.generate([7, 8, 9], GREEDY).outputs[0].token_ids) == 4
+    got = asyncio.run(load())
+    assert all(ends == ["length"] for _, _, ends in got), [e for _, _, e in got]
+    with Client(launched.replicas[0], timeout_s=60) as one_engine:
+        ref = [one_engine.generate(p, long).outputs[0] for p in prompts]
+    assert [(ids, text) for ids, text, _ in got] == [(o.token_ids, o.text) for o in ref]
     deadline = time.monotonic() + 20
     while any(procs.pid_alive(w) for w in workers[1:]) or owned_segments(
             [launched.pids[1], workers[1]]):
         assert time.monotonic() < deadline, "the dead replica's processes or segments stayed"
         time.sleep(0.2)
+    with Client(launched.endpoint, timeout_s=60) as c:
+        deadline = time.monotonic() + 120
+        while c.health() != {"op": "health", "ready": True}:  # replica 1 is back
+            assert time.monotonic() < deadline, c.health()
+            time.sleep(0.5)
+        for k in range(4):  # no shared prefix, least loaded, ties in turn: two reach it
+            c.generate([700 + k, 8, 9], GREEDY)
+        text = c.metrics()
+    assert metric(text, 'nvllm_router:requests_replayed_total{replica="1"}') >= 1
+    assert metric(text, 'nvllm_router:requests_replayed_total{replica="0"}') == 0
+    assert metric(text, 'nvllm_router:requests_failed_replica_lost_total{replica="1"}') == 0
+    assert metric(text, 'nvllm:prompt_tokens_total{replica="1"') > 0  # counted since restart
+    restarted = [p for p in procs_of(launched.proc.pid) if p not in launched.pids + workers]
+    assert restarted
     launched.proc.send_signal(signal.SIGINT)
     assert launched.proc.wait(60) == 0
-    assert not any(procs.pid_alive(p) for p in launched.pids + workers)
+    assert not any(procs.pid_alive(p) for p in launched.pids + workers + restarted)
+
+
+def procs_of(root: int) -> list[int]:
+    """`root`'s live descendants."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True,
+                         check=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            found.append(c)
+            stack.append(c)
+    return found
 
 
 def owned_segments(pids: list[int]) -> list[str]:

@@ -117,3 +117,66 @@ def test_no_replica_up_is_one_clear_error(router):
         with pytest.raises(EngineDeadError, match="no replica is up .replica 0: "):
             c.generate([1], {"max_tokens": 1})
         assert c.health()["ready"] is False
+
+
+def test_a_lost_replicas_request_is_replayed_from_what_its_client_saw(stalling, router):
+    """Replica 0 streams one token and dies: the request resumes on replica 1 under a new
+    id, from its prompt and the token and text the client was shown (prompt logprobs,
+    sent once, not asked again); the client's stream goes on, and an abort ends it once."""
+    r = router([leader.endpoint for leader in stalling])
+    params = {"max_tokens": 8, "temperature": 0.0, "prompt_logprobs": 1}
+    with RawClient(r.endpoint, timeout_s=10) as c:
+        c.send_map({"op": "submit", "id": "q", "prompt_token_ids": [1, 2], "params": params,
+                    "routing_key": "k"})
+        assert c.wait_map("q")["token_ids"] == [5]
+        first = 0 if stalling[0].submits else 1
+        stalling[first].die()
+        assert c.wait_map("q") == {"op": "output", "id": "q", "index": 0, "token_ids": [5],
+                                   "text": "x", "logprobs": None, "finish_reason": None}
+        (resumed,) = stalling[1 - first].submits
+        (original,) = stalling[first].submits
+        assert resumed["id"] != original["id"]
+        assert resumed["output_token_ids"] == [5] and resumed["output_text_offset"] == 1
+        assert resumed["params"] == {**params, "prompt_logprobs": None}
+        assert resumed["prompt_token_ids"] == [1, 2] and resumed["routing_key"] == "k"
+        c.abort("q")
+        assert c.wait_map("q")["finish_reason"] == "abort"
+    assert (r.router.replayed, r.router.failed_by_replica_loss) == ({first: 1}, {})
+    wait_for(lambda: r.router.links[1 - first].load == 0)
+
+
+def test_an_abort_before_the_loss_is_carried_to_the_replay(stalling, router):
+    r = router([leader.endpoint for leader in stalling])
+    with RawClient(r.endpoint, timeout_s=10) as c:
+        c.send_map({"op": "submit", "id": "q", "prompt_token_ids": [1]})
+        assert c.wait_map("q")["finish_reason"] is None
+        first = 0 if stalling[0].submits else 1
+        stalling[first].muted = True  # it stops answering (the abort goes unanswered)
+        c.abort("q")
+        wait_for(lambda: stalling[first].aborts)
+        stalling[first].die()  # ... and then its connection closes
+        # (the replica it resumes on may stream a token before it reads the abort)
+        while (msg := c.wait_map("q"))["finish_reason"] is None:
+            assert msg["op"] == "output"
+        assert msg["finish_reason"] == "abort"
+    assert stalling[1 - first].aborts == [stalling[1 - first].submits[0]["id"]]
+
+
+@pytest.mark.parametrize("n, alive, why", [
+    (2, True, "it asked for n=2 completions"),
+    (1, False, "no other replica is up"),
+])
+def test_a_request_that_cannot_be_replayed_ends_with_one_error_saying_why(
+        stalling, router, n, alive, why):
+    r = router([leader.endpoint for leader in stalling])
+    if not alive:
+        stalling[1].die()
+        wait_for(lambda: not r.router.links[1].up)
+    with Client(r.endpoint, timeout_s=10) as c:
+        stream = c.stream([1], {"max_tokens": 4, "n": n})
+        next(stream)
+        first = 0 if stalling[0].submits else 1
+        stalling[first].die()
+        with pytest.raises(EngineDeadError, match=f"could not be replayed on another: {why}"):
+            list(stream)
+    assert (r.router.replayed, r.router.failed_by_replica_loss) == ({}, {first: 1})

@@ -99,6 +99,7 @@ class StallingLeader:
 
         self.submits: list[dict] = []
         self.aborts: list = []
+        self.muted = False  # reads, records and answers nothing (a stalled leader)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -129,7 +130,7 @@ class StallingLeader:
                 elif msg["op"] == "abort":
                     self.aborts.append(msg["id"])
                     reply = output(msg["id"], "abort")
-                if reply is not None:
+                if reply is not None and not self.muted:
                     self.sock.send_multipart([peer, msgpack.packb(reply)])
             self.sock.close(0)
             self.ctx.term()
