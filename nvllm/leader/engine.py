@@ -44,6 +44,7 @@ from nvllm.leader.output_processor import EngineOutput, OutputProcessor
 from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
+from nvllm.leader.sleep_mode import SleepMode
 from nvllm.leader.spec_gate import SpecGate
 from nvllm.leader.weight_sync import WeightSync
 
@@ -73,7 +74,7 @@ class InFlight:
     generation: int = 0  # of the plan's arrays in the transport ring (0: none)
 
 
-class LLMEngine(WeightSync):
+class LLMEngine(SleepMode, WeightSync):
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any) -> None:
         assert config.model_info is not None, "EngineConfig.finalize() first"
         self.config = config
@@ -137,6 +138,7 @@ class LLMEngine(WeightSync):
         self.served_by: str | None = None
         self._step_lock = threading.Lock()
         self._init_weight_sync()  # pause/resume, weight updates (leader/weight_sync.py)
+        self._init_sleep_mode()  # sleep / wake_up (leader/sleep_mode.py)
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -164,6 +166,8 @@ class LLMEngine(WeightSync):
         request brings its compiled `grammar` (``grammar_future``, or its result; a future
         is waited on after the prompt is checked); without one it is compiled here,
         blocking (the offline API), and GrammarError is its refusal."""
+        if self._weights_missing:  # a level-2 sleep's weights are not all back
+            raise RequestRejected(self.sleep_refusal())
         req = self.input_processor.process(prompt, params, request_id=request_id,
                                            prompt_token_ids=prompt_token_ids,
                                            priority=priority, ttl_ms=ttl_ms)
@@ -408,6 +412,7 @@ class LLMEngine(WeightSync):
         self.scheduler.requeue_all()
         self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds
         self._forget_weight_updates()  # the new group loaded the checkpoint
+        self._forget_sleep()  # ... and allocated its KV cache: awake
         self.metrics.worker_restarts.inc()
         for rid in suspects:
             logger.error("request %s was on the workers through %d worker-group deaths in "
