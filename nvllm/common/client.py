@@ -26,6 +26,7 @@ from nvllm.common import client_protocol as cp
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.sleep_client import AsyncSleepClient, SleepClient
 from nvllm.common.trace import Tracer
 from nvllm.common.weight_transfer import (
     DEFAULT_CHUNK_BYTES,
@@ -142,7 +143,7 @@ def _n_of(params: SamplingParams | dict | None) -> int:
     return int((params or {}).get("n", 1))
 
 
-class Client:
+class Client(SleepClient):
     """Synchronous client. ``stream()`` yields ``StreamDelta``s; ``generate()`` collects."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
@@ -292,7 +293,7 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(AsyncSleepClient):
     """asyncio client: any number of concurrent requests over one socket."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,

@@ -111,8 +111,8 @@ class SleepMode:
         mem = [t for t in MEMORY_TAGS if t in tags and t in self._asleep]
         still = self._asleep.difference(mem)
         if "scheduling" in tags and still:
-            raise ValueError(f"cannot resume scheduling while {' and '.join(sorted(still))} "
-                             "sleeps: wake it too (wake_up() wakes everything)")
+            raise ValueError(f"cannot resume scheduling while the {' and '.join(sorted(still))} "
+                             "still sleep: wake them too (wake_up() wakes everything)")
         acks = self._sleep_acks(wp.WakeWorker(mem), "wake") if mem else []
         errors = [a for a in acks if a.error]
         if errors:
