@@ -16,6 +16,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SLEEP_LEVELS = (1, 2)
+# How running requests end when generation pauses (pause_generation's, and sleep's first
+# step): the values the wire and the gateway accept.
+PAUSE_MODES = ("abort", "wait", "keep")
 # What wake_up can restore: the weights, the KV cache, and scheduling (generation
 # resumes). No tags: all three.
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")

@@ -156,6 +156,37 @@ def _served(endpoint: str, a: dict, b: dict, refs_a: list, refs_b: list) -> None
         assert client.engine_state() == {
             "op": "state", "is_sleeping": False, "is_paused": False, "level": 0,
             "asleep": [], "weights_missing": 0, "weight_version": "B"}
+    _admin_routes(endpoint)
+
+
+def _admin_routes(endpoint: str) -> None:
+    """The gateway's admin routes against the engine (their guards: test_admin.py)."""
+    from fastapi.testclient import TestClient
+
+    from nvllm.launch.openai.app import GatewayConfig, create_app
+
+    key = {"authorization": "Bearer k"}
+    with TestClient(create_app(GatewayConfig(endpoint, "tiny", api_key="k"))) as c:
+        def call(method: str, path: str, status: int = 200) -> dict:
+            r = getattr(c, method)(path, headers=key)
+            assert r.status_code == status, r.text
+            return r.json()
+
+        assert call("get", "/weight_info") == {"weight_version": "B"}
+        assert call("post", "/pause?mode=keep&clear_cache=false") == {"status": "paused"}
+        assert call("get", "/is_paused") == {"is_paused": True}
+        assert call("post", "/resume") == {"status": "resumed"}
+        slept = call("post", "/sleep?level=1&mode=wait")
+        assert slept["level"] == 1 and slept["kv_cache_bytes"] > 0
+        assert call("get", "/is_sleeping") == {"is_sleeping": True}
+        assert "already asleep" in call("post", "/sleep", 409)["error"]["message"]
+        assert call("post", "/wake_up?tags=scheduling", 409)["error"]["code"] == "bad_state"
+        woke = call("post", "/wake_up?tags=kv_cache&tags=weights")
+        assert woke["kv_cache_bytes"] == slept["kv_cache_bytes"] and not woke["asleep"]
+        assert call("get", "/is_paused") == {"is_paused": True}
+        call("post", "/wake_up?tags=scheduling")
+        assert call("get", "/is_sleeping") == {"is_sleeping": False}
+        assert call("get", "/is_paused") == {"is_paused": False}
 
 
 async def _sleep_keep(endpoint: str) -> tuple:
