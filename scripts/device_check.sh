@@ -46,6 +46,7 @@ run moe-check 90 python3 scripts/moe_check.py
 # tolerance); times at 1/16/256 rows vs dense bf16 torch.mm and the reference path.
 run quant-check 150 python3 scripts/quant_check.py
 run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
+run cuda-sleep 120 "${PYTEST[@]}" tests/e2e/test_cuda_sleep.py
 run bench-kernels 120 python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json"
 # Engine throughput: Qwen3-0.6B-shaped bf16, nano-vllm's workload, vs HF on the same GPU.
 run bench-gpu 300 python3 scripts/bench_gpu.py --json "$OUT/bench_gpu.json"
