@@ -1,13 +1,13 @@
-"""sleep(level) / wake_up(tags) / is_sleeping end to end: bytes freed and allocated again
-as the engine counts them, outputs after a level-1 wake equal those before, a level-2
-wake generates nothing until update_weights wrote every tensor (then equals HF on the
-new weights), requests that arrive asleep wait and a request held across a sleep
-(keep) recomputes and ends as if never interrupted."""
+"""sleep(level) / wake_up(tags) / is_sleeping end to end, on an MoE preset at tp=2:
+bytes freed and allocated again as the engine counts them, outputs after a level-1 wake
+equal those before, a level-2 wake generates nothing until update_weights wrote every
+tensor and then equals HF on the new weights (the experts through their own loaders),
+requests that arrive asleep wait, and a request held across a sleep (keep) recomputes
+and ends as if never interrupted."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import pathlib
 
@@ -23,7 +23,7 @@ from nvllm.common.model_source import safetensors_files
 
 pytestmark = pytest.mark.e2e
 
-PRESET = "llama-9h3kv"  # tp=2 splits its 3 KV heads unevenly
+PRESET = "qwen3-moe"  # experts: the update after level 2 goes through their loaders
 MAX_TOKENS = 10
 PROMPTS = [[1, 5, 9, 200, 17, 33, 4, 81, 99, 120, 7], [400, 12, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -32,12 +32,13 @@ KV_GIB = 0.01  # a small cache: quick to free and allocate
 
 @pytest.fixture(scope="module")
 def ckpts(tiny, tmp_path_factory):
-    """(A's folder, A's tensors, B's tensors): B is A's preset with another seed."""
+    """(A's folder, A's tensors, B's tensors, B's folder): B is A's preset with another
+    seed."""
     from nvllm.launch.tiny import PRESETS, make_tiny_checkpoint
 
     a = tiny(PRESET)
     b = make_tiny_checkpoint(tmp_path_factory.mktemp("sleep-b"), **PRESETS[PRESET], seed=2)
-    return a, _tensors(a), _tensors(b)
+    return a, _tensors(a), _tensors(b), str(b)
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:
@@ -47,28 +48,27 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-@functools.cache
-def _hf(folder: str):
+@torch.no_grad()
+def hf_greedy(folder: str, prompt: list[int]) -> list[int]:
+    """HF's greedy tokens on the checkpoint in `folder`. Loaded from the folder, not by
+    load_state_dict: HF fuses the per-expert tensors on load, and load_state_dict(strict=
+    False) would skip the per-expert names silently."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_greedy(folder: str, state: dict[str, torch.Tensor], prompt: list[int]) -> list[int]:
-    model = _hf(folder)
-    model.load_state_dict(state, strict=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
                          min_new_tokens=MAX_TOKENS, pad_token_id=0)
     return gen[0, len(prompt):].tolist()
 
 
-def _kv_bytes(folder: str, num_blocks: int, block_size: int) -> int:
-    """The paged cache's bytes (float32, tp=1) from the config, not from the engine."""
+def _kv_bytes(folder: str, num_blocks: int, block_size: int, tp: int) -> int:
+    """The paged caches' bytes over `tp` ranks (float32) from the config, not from the
+    engine: the KV heads split over the ranks (unevenly if need be), or each rank holds
+    one when there are fewer heads than ranks."""
     cfg = json.loads((pathlib.Path(folder) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return (2 * cfg["num_hidden_layers"] * num_blocks * block_size
-            * cfg["num_key_value_heads"] * head_dim * 4)
+    heads = max(cfg["num_key_value_heads"], tp)
+    return 2 * cfg["num_hidden_layers"] * num_blocks * block_size * heads * head_dim * 4
 
 
 def _run(llm: LLM) -> list[list[int]]:
@@ -79,12 +79,12 @@ def _run(llm: LLM) -> list[list[int]]:
 def test_sleep_in_process_then_served_at_tp2(ckpts):
     """One tp=2 engine: both levels through LLM, then behind an EngineServer through
     Client and AsyncClient."""
-    folder, a, b = ckpts
+    folder, a, b, b_dir = ckpts
     llm = LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", block_size=8,
               cpu_kv_cache_gib=KV_GIB)
     try:
-        refs_a = [hf_greedy(folder, a, p) for p in PROMPTS]
-        refs_b = [hf_greedy(folder, b, p) for p in PROMPTS]
+        refs_a = [hf_greedy(folder, p) for p in PROMPTS]
+        refs_b = [hf_greedy(b_dir, p) for p in PROMPTS]
         _in_process(llm, folder, a, b, refs_a, refs_b)
         llm.update_weights(a, weight_version="A")
         s = serve(llm)
@@ -102,7 +102,7 @@ def _in_process(llm: LLM, folder: str, a: dict, b: dict, refs_a: list, refs_b: l
     """Level 1 (KV freed, CPU weights kept), level 2 (weights freed too), the refusals
     while asleep and until the weights are whole, and B's outputs after."""
     assert _run(llm) == refs_a
-    kv = _kv_bytes(folder, llm.engine.kv.num_blocks, 8)  # the 3 KV heads split 2 + 1
+    kv = _kv_bytes(folder, llm.engine.kv.num_blocks, 8, tp=2)
     assert llm.engine.kv.pool.num_cached_blocks > 0
 
     slept = llm.sleep(level=1)
