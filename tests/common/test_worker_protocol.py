@@ -19,8 +19,11 @@ from nvllm.common.worker_protocol import (
     NewSeq,
     RunningSeq,
     Shutdown,
+    SleepAck,
+    SleepWorker,
     StepPlan,
     StepResult,
+    WakeWorker,
     WeightChunk,
     WeightsAck,
     WorkerError,
@@ -76,6 +79,10 @@ ROUND_TRIP = [
     CommitWeights(update_id=3),
     AbortWeights(update_id=3),
     WeightsAck(rank=1, update_id=3, chunk=-1, error="", staged_bytes=4096),
+    SleepWorker(level=2),
+    WakeWorker(tags=["weights", "kv_cache"]),
+    SleepAck(rank=1, op="wake", error="", weights_bytes=10, kv_cache_bytes=20,
+             device_bytes=30, rss_bytes=40, missing=["model.norm.weight"]),
 ]
 
 
