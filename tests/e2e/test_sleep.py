@@ -49,16 +49,16 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def hf_greedy(folder: str, prompt: list[int]) -> list[int]:
-    """HF's greedy tokens on the checkpoint in `folder`. Loaded from the folder, not by
-    load_state_dict: HF fuses the per-expert tensors on load, and load_state_dict(strict=
-    False) would skip the per-expert names silently."""
+def hf_greedy(folder: str) -> list[list[int]]:
+    """HF's greedy tokens for every prompt on the checkpoint in `folder`. Loaded from the
+    folder, not by load_state_dict: HF fuses the per-expert tensors on load, and
+    load_state_dict(strict=False) would skip the per-expert names silently."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                         min_new_tokens=MAX_TOKENS, pad_token_id=0)
-    return gen[0, len(prompt):].tolist()
+    return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                           min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(p):].tolist()
+            for p in PROMPTS]
 
 
 def _kv_bytes(folder: str, num_blocks: int, block_size: int, tp: int) -> int:
@@ -83,8 +83,7 @@ def test_sleep_in_process_then_served_at_tp2(ckpts):
     llm = LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", block_size=8,
               cpu_kv_cache_gib=KV_GIB)
     try:
-        refs_a = [hf_greedy(folder, p) for p in PROMPTS]
-        refs_b = [hf_greedy(b_dir, p) for p in PROMPTS]
+        refs_a, refs_b = hf_greedy(folder), hf_greedy(b_dir)
         _in_process(llm, folder, a, b, refs_a, refs_b)
         llm.update_weights(a, weight_version="A")
         s = serve(llm)
