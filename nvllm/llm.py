@@ -20,6 +20,7 @@ from nvllm.common.errors import RequestRejected
 from nvllm.common.outputs import RequestOutput
 from nvllm.common.proc import DeferredInterrupt
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.sleep_mode import SleepReport
 from nvllm.common.weight_transfer import DEFAULT_CHUNK_BYTES, NamedTensors
 from nvllm.launch.engine_builder import build_engine
 from nvllm.launch.real_model import resolve_model_spec
@@ -74,6 +75,8 @@ class LLM:
         the other prompts are generated as usual.
         """
         self._check_owned("LLM.generate")
+        if (why := self.engine.sleep_refusal()) is not None:
+            raise RuntimeError(why)
         if self.engine.is_paused:
             raise RuntimeError("generation is paused (pause_generation): call "
                                "resume_generation() first")
@@ -237,6 +240,28 @@ class LLM:
     def resume_generation(self) -> None:
         self._check_owned("LLM.resume_generation")
         self.engine.resume_generation()
+
+    # ---- RL: sleep and wake (nvllm/leader/sleep_mode.py) ------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> SleepReport:
+        """vLLM's sleep: pause (`mode` as pause_generation's), then free the KV cache and
+        offload the weights to host memory (level 1) or free them (level 2: update_weights
+        must write every tensor again after wake_up). Returns the bytes freed."""
+        self._check_owned("LLM.sleep")
+        self.engine.begin_sleep(level, mode)
+        while not self.engine.pause_complete:
+            self.engine.step()
+        return self.engine.finish_sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> SleepReport:
+        """vLLM's wake_up: allocate again "weights" and/or "kv_cache", and with
+        "scheduling" (or no tags, the default: all three) resume generation. Returns the
+        bytes allocated."""
+        self._check_owned("LLM.wake_up")
+        return self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     def _check_owned(self, what: str) -> None:
         if self.engine is None:

@@ -49,6 +49,7 @@ run cuda-e2e 180 "${PYTEST[@]}" tests/e2e/test_cuda.py
 # Weight updates by CUDA IPC handle (CuPy, else the same calls over libcudart) and over a
 # gloo group into a CUDA engine: outputs equal HF on the new weights.
 run cuda-ipc-check 120 python3 scripts/cuda_ipc_check.py
+run cuda-sleep 120 "${PYTEST[@]}" tests/e2e/test_cuda_sleep.py
 run bench-kernels 120 python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json"
 # Engine throughput: Qwen3-0.6B-shaped bf16, nano-vllm's workload, vs HF on the same GPU.
 run bench-gpu 300 python3 scripts/bench_gpu.py --json "$OUT/bench_gpu.json"

@@ -27,6 +27,7 @@ from nvllm.common.cuda_ipc import choose_ipc, push_ipc
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.sleep_client import AsyncSleepClient, SleepClient
 from nvllm.common.trace import Tracer
 from nvllm.common.weight_source_client import AsyncWeightSourceClient, WeightSourceClient
 from nvllm.common.weight_transfer import (
@@ -144,7 +145,7 @@ def _n_of(params: SamplingParams | dict | None) -> int:
     return int((params or {}).get("n", 1))
 
 
-class Client(WeightSourceClient):
+class Client(WeightSourceClient, SleepClient):
     """Synchronous client. ``stream()`` yields ``StreamDelta``s; ``generate()`` collects."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
@@ -302,7 +303,7 @@ class Client(WeightSourceClient):
         self.close()
 
 
-class AsyncClient(AsyncWeightSourceClient):
+class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
     """asyncio client: any number of concurrent requests over one socket."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,

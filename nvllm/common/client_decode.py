@@ -34,6 +34,7 @@ from nvllm.common.cuda_ipc import IpcRef, is_ipc_ref
 from nvllm.common.field_errors import FieldError, field_error
 from nvllm.common.request_checks import prompt_length_error
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.sleep_mode import WAKE_TAGS
 from nvllm.common.structured_outputs import KINDS
 from nvllm.common.transport import ArrayRef, BadRef
 
@@ -108,7 +109,7 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
                                                         cp.MetricsRequest, cp.Ping,
                                                         cp.ResumeGeneration, cp.WeightsAbort))
     union = Submit | Abort | plain[0] | plain[1] | plain[2] | plain[3] | plain[4] | plain[5]
-    for extra in _weight_types() + _weight_source_types():
+    for extra in _weight_types() + _weight_source_types() + _sleep_types():
         union = union | extra
     return union, Submit  # type: ignore[return-value]
 
@@ -178,6 +179,22 @@ def _weight_source_types() -> tuple[type, ...]:
         v: Literal[1] = 1
 
     return InitWeightUpdateGroup, WeightsFromDistributed, UpdateWeightsFromPath
+def _sleep_types() -> tuple[type, ...]:
+    """sleep, wake_up and state: a level, a pause mode, at most every wake tag once."""
+
+    class Sleep(msgspec.Struct, tag_field="op", tag="sleep"):
+        level: Literal[1, 2] = 1
+        mode: Literal["abort", "wait", "keep"] = "abort"
+        v: Literal[1] = 1
+
+    class WakeUp(msgspec.Struct, tag_field="op", tag="wake_up"):
+        tags: Annotated[list[Literal["weights", "kv_cache", "scheduling"]], Meta(
+            min_length=1, max_length=len(WAKE_TAGS))] | None = None
+        v: Literal[1] = 1
+
+    state = msgspec.defstruct("StateRequest", [("v", Literal[1], 1)], tag_field="op",
+                              tag=cp.StateRequest.OP)
+    return Sleep, WakeUp, state
 
 
 class _Envelope(msgspec.Struct):
@@ -223,6 +240,10 @@ def decode_client_frame(payload: bytes,
     if cls in (cp.InitWeightUpdateGroup, cp.WeightsFromDistributed,
                cp.UpdateWeightsFromPath):
         return _weight_source(cls, frame)
+    if cls is cp.Sleep:
+        return cls(level=frame.level, mode=frame.mode)
+    if cls is cp.WakeUp:
+        return cls(tags=None if frame.tags is None else list(frame.tags))
     return cls()
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from nvllm.common.outputs import CompletionDelta
 from nvllm.common.sampling_params import SamplingParams
+from nvllm.common.sleep_mode import SleepReport
 
 PROTOCOL_VERSION = 1
 MAX_DEPTH = 8  # the deepest a JSON schema given as a map may nest (gateway and wire)
@@ -159,6 +160,23 @@ class UpdateWeightsFromPath(ClientMessage, tag="weights_from_path"):
     path: str
     weight_version: int | str | None = None
     OP: ClassVar[str] = "weights_from_path"
+# Sleep and wake (nvllm/leader/sleep_mode.py): vLLM's sleep, wake_up and is_sleeping.
+# sleep and wake_up are answered by the message of the same op; state by EngineState.
+
+
+class Sleep(ClientMessage, tag="sleep"):
+    level: int = 1  # 1 | 2
+    mode: str = "abort"  # how running requests end first, as pause's
+    OP: ClassVar[str] = "sleep"
+
+
+class WakeUp(ClientMessage, tag="wake_up"):
+    tags: list[str] | None = None  # of "weights", "kv_cache", "scheduling"; None: all
+    OP: ClassVar[str] = "wake_up"
+
+
+class StateRequest(ClientMessage, tag="state"):
+    OP: ClassVar[str] = "state"
 
 
 # ---- leader -> client ------------------------------------------------------------------
@@ -277,20 +295,60 @@ class DistributedStaged(ServerMessage, tag="weights_from_distributed",
 class WeightsFromPathLoaded(ServerMessage, tag="weights_from_path", omit_defaults=False):
     weight_version: int | str
     OP: ClassVar[str] = "weights_from_path"
+class _SleepAnswer(ServerMessage, omit_defaults=False):
+    """A SleepReport (nvllm/common/sleep_mode.py) on the wire."""
+
+    level: int
+    asleep: list[str]
+    weights_bytes: int
+    kv_cache_bytes: int
+    device_bytes: int
+    rss_bytes: int
+    weights_missing: int
+
+    @classmethod
+    def of(cls, report: SleepReport) -> Any:
+        return cls(**report.to_dict())
+
+    def to_report(self) -> SleepReport:
+        return SleepReport(self.level, list(self.asleep), self.weights_bytes,
+                           self.kv_cache_bytes, self.device_bytes, self.rss_bytes,
+                           self.weights_missing)
+
+
+class Slept(_SleepAnswer, tag="sleep"):
+    OP: ClassVar[str] = "sleep"
+
+
+class WokeUp(_SleepAnswer, tag="wake_up"):
+    OP: ClassVar[str] = "wake_up"
+
+
+class EngineState(ServerMessage, tag="state", omit_defaults=False):
+    """Whether the engine sleeps (and what: `asleep`, at `level`; `weights_missing` after
+    a level-2 wake), is paused, and the weight_version in force."""
+
+    is_sleeping: bool
+    is_paused: bool
+    level: int
+    asleep: list[str]
+    weights_missing: int
+    weight_version: int | str | None
+    OP: ClassVar[str] = "state"
 
 
 CLIENT_MESSAGES: tuple[type, ...] = (Submit, Abort, InfoRequest, HealthRequest,
                                      MetricsRequest, Ping, PauseGeneration, ResumeGeneration,
                                      WeightsChunk, WeightsCommit, WeightsAbort,
                                      InitWeightUpdateGroup, WeightsFromDistributed,
-                                     UpdateWeightsFromPath)
+                                     UpdateWeightsFromPath, Sleep, WakeUp, StateRequest)
 SERVER_MESSAGES: tuple[type, ...] = (Output, Error, Info, Health, Metrics, Pong, Paused,
                                      Resumed, WeightsStaged, WeightsCommitted, WeightsAborted,
                                      WeightUpdateGroupReady, DistributedStaged,
-                                     WeightsFromPathLoaded)
+                                     WeightsFromPathLoaded, Slept, WokeUp, EngineState)
 ServerFrame = (Output | Error | Info | Health | Metrics | Pong | Paused | Resumed
                | WeightsStaged | WeightsCommitted | WeightsAborted | WeightUpdateGroupReady
-               | DistributedStaged | WeightsFromPathLoaded)
+               | DistributedStaged | WeightsFromPathLoaded | Slept | WokeUp | EngineState)
 
 
 # ---- encoding --------------------------------------------------------------------------

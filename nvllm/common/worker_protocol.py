@@ -329,6 +329,39 @@ class WeightsFromPath(Struct, array_like=True, forbid_unknown_fields=True, tag=2
     KIND: ClassVar[int] = 22
 
 
+class SleepWorker(Struct, array_like=True, forbid_unknown_fields=True, tag=23):
+    """Free this rank's KV cache (and CUDA graphs) and its weights' device memory:
+    level 1 keeps the weights in host memory, level 2 drops their contents
+    (nvllm/worker/sleep.py). Answered by a SleepAck; a refusal frees nothing."""
+
+    level: Annotated[int, Meta(ge=1, le=2)]
+    KIND: ClassVar[int] = 23
+
+
+class WakeWorker(Struct, array_like=True, forbid_unknown_fields=True, tag=24):
+    """Allocate again what sleep freed, of `tags` ("weights", "kv_cache"); a SleepAck
+    answers."""
+
+    tags: Annotated[list[str], Meta(max_length=2)]
+    KIND: ClassVar[int] = 24
+
+
+class SleepAck(Struct, array_like=True, forbid_unknown_fields=True, tag=25):
+    """A rank's answer to SleepWorker / WakeWorker: bytes freed or allocated again, and
+    what its device and process hold afterwards; `missing`: after a level-2 wake of the
+    weights (rank 0 only), the checkpoint tensors an update must write again."""
+
+    rank: Rank
+    op: str  # "sleep" | "wake"
+    error: str = ""
+    weights_bytes: NonNeg = 0
+    kv_cache_bytes: NonNeg = 0
+    device_bytes: NonNeg = 0
+    rss_bytes: NonNeg = 0
+    missing: list[str] = []
+    KIND: ClassVar[int] = 25
+
+
 class WorkerReady(Struct, array_like=True, forbid_unknown_fields=True, tag=10):
     """Sent by every rank after loading weights (num_blocks: what fits in its budget;
     load_s and peak_rss_mib: how long loading took and the process's peak memory), and
@@ -387,14 +420,15 @@ class WorkerError(Struct, array_like=True, forbid_unknown_fields=True, tag=12):
 MESSAGES: dict[int, type] = {
     c.KIND: c for c in (StepPlan, InitKVCache, LoadGrammars, WeightChunk, CommitWeights,
                         AbortWeights, Shutdown, WorkerReady, StepResult, WorkerError,
-                        WeightsAck, InitWeightGroup, WeightsFromGroup, WeightsFromPath)
+                        WeightsAck, InitWeightGroup, WeightsFromGroup, WeightsFromPath,
+                        SleepWorker, WakeWorker, SleepAck)
 }
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(
     StepPlan | InitKVCache | LoadGrammars | WeightChunk | CommitWeights | AbortWeights
     | Shutdown | WorkerReady | StepResult | WorkerError | WeightsAck | InitWeightGroup
-    | WeightsFromGroup | WeightsFromPath)
+    | WeightsFromGroup | WeightsFromPath | SleepWorker | WakeWorker | SleepAck)
 
 
 def encode(msg: Any) -> bytes:

@@ -44,6 +44,7 @@ from nvllm.leader.output_processor import EngineOutput, OutputProcessor
 from nvllm.leader.plan_builder import PlanBuilder
 from nvllm.leader.request import Request
 from nvllm.leader.scheduler import Scheduler, SchedulerOutput
+from nvllm.leader.sleep_mode import SleepMode
 from nvllm.leader.spec_gate import SpecGate
 from nvllm.leader.weight_sources import WeightSources
 from nvllm.leader.weight_sync import WeightSync
@@ -74,7 +75,7 @@ class InFlight:
     generation: int = 0  # of the plan's arrays in the transport ring (0: none)
 
 
-class LLMEngine(WeightSync, WeightSources):
+class LLMEngine(SleepMode, WeightSync, WeightSources):
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any) -> None:
         assert config.model_info is not None, "EngineConfig.finalize() first"
         self.config = config
@@ -138,6 +139,7 @@ class LLMEngine(WeightSync, WeightSources):
         self.served_by: str | None = None
         self._step_lock = threading.Lock()
         self._init_weight_sync()  # pause/resume, weight updates (leader/weight_sync.py)
+        self._init_sleep_mode()  # sleep / wake_up (leader/sleep_mode.py)
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -168,6 +170,8 @@ class LLMEngine(WeightSync, WeightSources):
         is waited on after the prompt is checked); without one it is compiled here,
         blocking (the offline API), and GrammarError is its refusal. `output_token_ids`
         resumes a completion another engine started (InputProcessor.process)."""
+        if self._weights_missing:  # a level-2 sleep's weights are not all back
+            raise RequestRejected(self.sleep_refusal())
         req = self.input_processor.process(prompt, params, request_id=request_id,
                                            prompt_token_ids=prompt_token_ids,
                                            priority=priority, ttl_ms=ttl_ms,
@@ -414,6 +418,7 @@ class LLMEngine(WeightSync, WeightSources):
         self.scheduler.requeue_all()
         self.kv.pool.reset_prefix_cache()  # every block is free now: always succeeds
         self._forget_weight_updates()  # the new group loaded the checkpoint
+        self._forget_sleep()  # ... and allocated its KV cache: awake
         self.metrics.worker_restarts.inc()
         for rid in suspects:
             logger.error("request %s was on the workers through %d worker-group deaths in "

@@ -52,6 +52,8 @@ class RolloutControl:
         except EngineDeadError as e:
             self.update_id = self.owner = None
             self.server._error(client, None, "engine_unavailable", str(e).split("\n")[0])
+        except RuntimeError as e:  # not now (asleep, weights missing): the state is kept
+            self.server._error(client, None, "bad_state", str(e))
 
     def _handle(self, client: bytes, msg: Any) -> None:
         eng, srv = self.engine, self.server

@@ -39,6 +39,8 @@ from nvllm.leader.grammar import GrammarError
 from nvllm.leader.output_processor import EngineOutput
 from nvllm.leader.rollout_control import MESSAGES as ROLLOUT_MESSAGES
 from nvllm.leader.rollout_control import RolloutControl
+from nvllm.leader.sleep_control import MESSAGES as SLEEP_MESSAGES
+from nvllm.leader.sleep_control import SleepControl
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class EngineServer:
         self._trace = trace.tracer("leader")  # None unless $NVLLM_TRACE is set
         # pause/resume and weight updates from clients (nvllm/leader/rollout_control.py)
         self.rollout = RolloutControl(self)
+        self.sleep = SleepControl(self)  # sleep / wake_up (nvllm/leader/sleep_control.py)
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -210,6 +213,10 @@ class EngineServer:
             if self.dead is not None:
                 return self._error(client, None, "engine_unavailable", self.dead)
             return self.rollout.handle(client, msg)
+        if isinstance(msg, SLEEP_MESSAGES):
+            if self.dead is not None:
+                return self._error(client, None, "engine_unavailable", self.dead)
+            return self.sleep.handle(client, msg)
         raise AssertionError(f"unhandled client message {type(msg).__name__}")
 
     def _submit(self, client: bytes, msg: cp.Submit) -> None:
@@ -425,6 +432,7 @@ class EngineServer:
             if self.engine.has_unfinished_requests() and not self.rollout.settled:
                 self._emit(self.engine.step(self._cancelled))
                 self.rollout.poll()
+                self.sleep.poll()
             elif swept:
                 # Idle: a worker death (or, with restart_workers, its recovery) must not
                 # wait for the next request; health answers the truth meanwhile.

@@ -36,3 +36,24 @@ def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 <
           and mallopt(M_TOP_PAD, top_pad) == 1)
     logger.debug("malloc keeps freed memory: %s", ok)
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim): what sleep frees
+    stays in the process's resident set otherwise, since keep_freed_memory serves large
+    tensors from the heap and does not trim it. False where malloc_trim does not exist."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -41,6 +41,7 @@ from nvllm.worker.cpu_malloc import keep_freed_memory
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
+from nvllm.worker.sleep import WorkerSleep
 from nvllm.worker.thread_tuner import ThreadTuner
 from nvllm.worker.weight_sources import MESSAGES as WEIGHT_SOURCE_MESSAGES
 from nvllm.worker.weight_sources import WeightSources
@@ -253,6 +254,7 @@ def run_worker(spec: dict) -> None:
         else:
             tp = TPContext()
         runner = ModelRunner(config, tp, device)
+        sleeper = WorkerSleep(runner)  # sleep / wake_up (nvllm/worker/sleep.py)
         if device.type == "cpu" and world == 1 and config.cpu_thread_tuning \
                 and torch.get_num_threads() > 1:
             runner.threads = ThreadTuner(torch.get_num_threads())
@@ -279,6 +281,8 @@ def run_worker(spec: dict) -> None:
                 if sources is None:
                     sources = WeightSources(runner.weights, device, rank)
                 result_sock.send(worker_protocol.encode(sources.handle(msg)))
+            elif isinstance(msg, (worker_protocol.SleepWorker, worker_protocol.WakeWorker)):
+                result_sock.send(worker_protocol.encode(sleeper.handle(msg, rank)))
             elif isinstance(msg, worker_protocol.StepPlan):
                 step_id = msg.step_id
                 try:

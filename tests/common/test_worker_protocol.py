@@ -20,8 +20,11 @@ from nvllm.common.worker_protocol import (
     NewSeq,
     RunningSeq,
     Shutdown,
+    SleepAck,
+    SleepWorker,
     StepPlan,
     StepResult,
+    WakeWorker,
     WeightChunk,
     WeightsAck,
     WeightsFromGroup,
@@ -88,6 +91,10 @@ ROUND_TRIP = [
     WeightsFromGroup(update_id=5, chunk=0, names=["model.norm.weight"], dtypes=["float32"],
                      shapes=[[64]]),
     WeightsFromPath(update_id=6, chunk=0, path="/ckpt/step-7"),
+    SleepWorker(level=2),
+    WakeWorker(tags=["weights", "kv_cache"]),
+    SleepAck(rank=1, op="wake", error="", weights_bytes=10, kv_cache_bytes=20,
+             device_bytes=30, rss_bytes=40, missing=["model.norm.weight"]),
 ]
 
 

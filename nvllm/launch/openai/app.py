@@ -1,7 +1,7 @@
 """The gateway's ASGI app: state and leader connection (opened with the app), error
 handlers, the request-counting middleware, ``/health``, ``/metrics``, ``/v1/models``, the
-API key check on every route but ``/health``, and the two generation routes
-(``completions``, ``chat``)."""
+API key check on every route but ``/health``, the two generation routes
+(``completions``, ``chat``), and the RL admin routes (``admin``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from nvllm.common.client import AsyncClient
-from nvllm.launch.openai import chat, completions, tokenize
+from nvllm.launch.openai import admin, chat, completions, tokenize
 from nvllm.launch.openai.errors import ApiError, from_leader
 from nvllm.launch.openai.metrics import PROMETHEUS_CONTENT_TYPE, CountRequests, gateway_metrics
 from nvllm.launch.openai.state import CONTROL_TIMEOUT_S, GatewayConfig, GatewayState
@@ -139,4 +139,6 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.include_router(_v1_router(state))
     # vLLM serves these at the root, not under /v1.
     app.include_router(tokenize.router, dependencies=[_key_check(state)])
+    # RL admin routes (pause, resume, sleep, wake_up, weight_info), at the root as vLLM's.
+    app.include_router(admin.router, dependencies=[_key_check(state)])
     return app
