@@ -184,8 +184,10 @@ class SleepMode:
         return super().begin_weight_update()  # type: ignore[misc]
 
     def stage_weights(self: LLMEngine, update_id: int, chunk: int, names: list[str],
-                      dtypes: list[str], refs: list[list]) -> None:
-        super().stage_weights(update_id, chunk, names, dtypes, refs)  # type: ignore[misc]
+                      dtypes: list[str], refs: list[list], rows: list[int] | None = None
+                      ) -> None:
+        super().stage_weights(update_id, chunk, names, dtypes, refs,  # type: ignore[misc]
+                              rows)
         if self._weights_missing:
             self._update_names.update(names)
 
