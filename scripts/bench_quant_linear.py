@@ -1,11 +1,15 @@
 """Time x W^T on SmolLM2-135M's linear shapes, per row count: nvllm's quantized weights
-(the native op, csrc/cpu_quant_linear.cpp, and the dequantize-a-tile-then-torch.mm path),
+(the native op, csrc/cpu_quant_linear.cpp; the int8-activation op, csrc/cpu_quant_vnni.cpp,
+"a8"; and the dequantize-a-tile-then-torch.mm path),
 dense float32 / bfloat16 F.linear, oneDNN-packed float32, and torch's own weight-only ops
 (``_weight_int8pack_mm``: one scale per output channel; ``_weight_int4pack_mm_for_cpu``:
 groups of 32 with a scale and a zero point). Prints one row per (shape, rows): microseconds,
 the minimum of --repeat timings (on a shared machine the minimum is what compares).
+``--decode`` compares only what decode picks between (rows 1..8, the native and a8 ops in
+each format against dense F.linear) and prints a8's speed-up over the native op.
 
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py [--threads 2] [--rows 1,2,4,8,16,32,64]
+    PYTHONPATH=$PWD python scripts/bench_quant_linear.py --decode --threads 1
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import cpu_ops
-from nvllm.worker.layers.quant import INT4_MIN, INT8, QuantizedWeight, quantize
+from nvllm.worker.layers.quant import INT4, INT4_MIN, INT8, QuantizedWeight, quantize
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -36,6 +40,22 @@ def timeit(fn, repeat: int) -> float:
             fn()
         times.append((time.perf_counter() - t0) / n)
     return min(times) * 1e6
+
+
+def decode_candidates(n: int, k: int, m: int):
+    """Dense float32 / bfloat16 and, per format, the native and the a8 op (float32 x)."""
+    w = torch.randn(n, k) * 0.05
+    x32 = torch.randn(m, k)
+    wb, x16 = w.bfloat16(), x32.bfloat16()
+    out = {"dense f32": lambda: F.linear(x32, w), "dense bf16": lambda: F.linear(x16, wb)}
+    for fmt in (INT4_MIN, INT4, INT8):
+        qw = QuantizedWeight(fmt, n, k)
+        qw.write(0, 0, *quantize(w, fmt))
+        out[f"{fmt.name} native"] = \
+            lambda qw=qw: cpu_ops.quant_linear(x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+        out[f"{fmt.name} a8"] = lambda qw=qw: cpu_ops.quant_linear_a8(
+            x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+    return out
 
 
 def candidates(n: int, k: int, m: int):
@@ -84,13 +104,22 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--decode", action="store_true",
+                   help="rows 1..8 (unless --rows), native vs a8 vs dense only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode and args.rows == p.get_default("rows"):
+        args.rows = "1,2,3,4,6,8"
+    make = decode_candidates if args.decode else candidates
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         for m in map(int, args.rows.split(",")):
-            res = {c: timeit(fn, args.repeat) for c, fn in candidates(n, k, m).items()}
+            res = {c: timeit(fn, args.repeat) for c, fn in make(n, k, m).items()}
             cols = "  ".join(f"{c}={t:.0f}" for c, t in res.items())
+            if args.decode:
+                cols += "  | a8 speed-up: " + " ".join(
+                    f"{f}={res[f + ' native'] / res[f + ' a8']:.2f}x"
+                    for f in ("int4+min", "int4", "int8"))
             print(f"{name} {n}x{k} rows={m}: {cols}", flush=True)
 
 

@@ -205,7 +205,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def quant_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     mins: torch.Tensor | None, bits: int) -> torch.Tensor:
     """quant_linear with x's rows quantized to int8 per block of 32 first (scale max|x| /
-    127, round to nearest even) and integer dot products (csrc/cpu_quant_vnni.cpp): the
+    127, round to nearest) and integer dot products (csrc/cpu_quant_vnni.cpp): the
     dequantized weights times x's int8-rounded values, up to float32 summation order."""
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
     torch.ops.nvllm_cpu.quant_linear_a8(out, x.contiguous(), qweight, scales, mins, bits)

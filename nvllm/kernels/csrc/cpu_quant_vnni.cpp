@@ -8,7 +8,7 @@
 // fours into 16 int32 lanes in one instruction.
 //
 // The arithmetic, per row of x and group g of 32 (d: the weight's scale, m: its min or 0):
-//   dx = max|x| / 127, qx = round(x / dx) (nearest even), Sx = sum(qx)
+//   dx = max|x| * (1/127), qx = round(x * (1/dx)) (nearest even), Sx = sum(qx)
 //   y += d * dx * sum(q * qx) + m * dx * Sx
 // with q the stored integer (int4: the nibble, minus 8 without a min; int8: as stored).
 // So y is exactly W's dequantized values times x's int8-rounded values, up to the order
@@ -66,7 +66,9 @@ QuantX quantize_x(const XT* x, int64_t M, int64_t K) {
       v[j] = nvllm_cpu::to_float(xg[j]);
       amax = std::max(amax, std::fabs(v[j]));
     }
-    const float d = amax / 127.f;
+    // amax times float32's 1/127, written so: -ffast-math may turn a division by 127
+    // into that product anyway, and the tests reproduce the rounding (ties included).
+    const float d = amax * (1.f / 127.f);
     const float id = d > 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
     for (int j = 0; j < kGroup; ++j) {

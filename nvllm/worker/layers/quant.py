@@ -45,6 +45,7 @@ row: int4 3.1 ms, int8 1.5 ms), so neither is used.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,15 @@ GROUP = 32
 # Up to this many rows of x (by its dtype), the native op; beyond, dequantized tiles and
 # torch.mm (the crossovers measured above).
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
+# Up to this many rows of x (by the weight's bits), the int8-activation op
+# (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI: see a8_rows.
+A8_MAX_ROWS = {4: 8, 8: 8}
+# NVLLM_QUANT_ACTIVATIONS: "auto" (default: the int8-activation op up to A8_MAX_ROWS rows,
+# where it is vectorized), "off" (activations stay in the run dtype: results equal
+# dequantize-then-matmul up to float32 summation order), "always" (every row count, for
+# measuring its quality teacher-forced; slow on long prompts).
+A8_ENV = "NVLLM_QUANT_ACTIVATIONS"
+A8_MODES = ("auto", "off", "always")
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
 TILE_ROWS = 4096
 
@@ -147,6 +157,11 @@ class QuantizedWeight:
 
             out = triton_quant.quant_matmul(x2, self.qweight, self.scales, self.mins,
                                             self.fmt.bits)
+        elif native and x2.shape[0] <= a8_rows(self.fmt):
+            from nvllm.kernels import cpu_ops
+
+            out = cpu_ops.quant_linear_a8(x2, self.qweight, self.scales, self.mins,
+                                          self.fmt.bits)
         elif native and x2.shape[0] <= NATIVE_MAX_ROWS[x2.dtype]:
             from nvllm.kernels import cpu_ops
 
@@ -178,6 +193,29 @@ class QuantizedWeight:
 
 _NATIVE: list[bool] = []
 _TRITON: list[bool] = []
+_A8: list[str] = []  # the mode in effect, once asked ("off" where not vectorized)
+
+
+def a8_rows(fmt: QuantFormat) -> int:
+    """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 and takes the
+    VNNI op (0: never). The rule: by default where it was measured faster than the float
+    op (A8_MAX_ROWS, docs/quantization.md's table); never where ``NVLLM_QUANT_ACTIVATIONS=off``
+    asks for float activations (exact dequantize-then-matmul, what greedy-equality tests
+    pin) or where the op was built without AVX-512 VNNI (its portable loop is slower than
+    the float op); any row count under ``always``. Read once per process."""
+    if not _A8:
+        mode = os.environ.get(A8_ENV, "auto")
+        if mode not in A8_MODES:
+            raise ValueError(f"{A8_ENV}={mode!r}; expected one of {', '.join(A8_MODES)}")
+        if mode != "off":
+            from nvllm.kernels import cpu_ops
+
+            if not (_native() and cpu_ops.quant_a8_vectorized()):
+                mode = "off" if mode == "auto" else mode
+        _A8.append(mode)
+    if _A8[0] == "always":
+        return 1 << 62
+    return A8_MAX_ROWS.get(fmt.bits, 0) if _A8[0] == "auto" else 0
 
 
 def triton_usable(x: torch.Tensor) -> bool:
