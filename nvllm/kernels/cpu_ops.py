@@ -39,7 +39,8 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
            CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp"]
-HEADERS = [CSRC / "bf16.h"]  # part of the build's key, not compiled on their own
+# part of the build's key, not compiled on their own
+HEADERS = [CSRC / "bf16.h", CSRC / "quant_args.h"]
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

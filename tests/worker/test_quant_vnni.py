@@ -83,7 +83,7 @@ def test_a8_op_is_int8_rounded_x_times_dequantized_weights(fmt, dtype):
         no_min = dequantize(fmt, qw.qweight, qw.scales, None).abs().double()
         terms = no_min + (0 if qw.mins is None else
                           qw.mins.double().abs().repeat_interleave(32, dim=1))
-        for m in (*range(1, 9), 11):  # 11: a second pass of up to 8 rows
+        for m in (1, 2, 3, 5, 8, 11):  # 11: a second pass of up to 8 rows
             x = _x(m, k, dtype, gen)
             got = cpu_ops.quant_linear_a8(x, qw.qweight, qw.scales, qw.mins, fmt.bits)
             assert got.dtype == dtype and got.shape == (m, n)

@@ -8,7 +8,7 @@
 // fours into 16 int32 lanes in one instruction.
 //
 // The arithmetic, per row of x and group g of 32 (d: the weight's scale, m: its min or 0):
-//   dx = max|x| * (1/127), qx = round(x * (1/dx)) (nearest even), Sx = sum(qx)
+//   dx = max|x| * (1/127), qx = round(x * (1/dx)) (to nearest), Sx = sum(qx)
 //   y += d * dx * sum(q * qx) + m * dx * Sx
 // with q the stored integer (int4: the nibble, minus 8 without a min; int8: as stored).
 // So y is exactly W's dequantized values times x's int8-rounded values, up to the order
@@ -38,6 +38,7 @@
 #endif
 
 #include "bf16.h"
+#include "quant_args.h"
 
 namespace {
 
@@ -123,25 +124,26 @@ void column_scalar(const QuantX& xq, int64_t r0, const uint8_t* q, const c10::Ha
 // (values 0-15 of each group) meet x bytes [qx_g[0:16] for the 4 groups], their high ones
 // (16-31) the next 64 bytes. int8 (S = 2): 64 bytes of 2 groups, x in its own order.
 // Each group owns 16 / S int32 lanes of vpdpbusd's result: dxl holds dx in each of them,
-// xsl dx * Sx / (16 / S) (the min's term, spread over the lanes), off the integer
-// correction (offset * Sx) in a group's first lane.
+// off the integer correction (offset * Sx) in a group's first lane. The min's term,
+// sum_g m_g * (dx_g * Sx_g), is a dot product over groups of its own: xs holds dx * Sx
+// per group, 16 groups a vector.
 struct LanesX {
-  int64_t steps;
+  int64_t steps, gpad;
   std::vector<int8_t> qx;     // [M, steps, 128 (int4) or 64 (int8)], zero-padded
   std::vector<float> dxl;     // [M, steps, 16]
-  std::vector<float> xsl;     // [M, steps, 16]
   std::vector<int32_t> off;   // [M, steps, 16]
+  std::vector<float> xs;      // [M, gpad], zero-padded
 };
 
 template <int BITS, bool MIN>
 LanesX lanes_x(const QuantX& xq) {
   constexpr int64_t S = BITS == 8 ? 2 : 4, L = 16 / S, xb = BITS == 8 ? 64 : 128;
   constexpr int32_t offset = BITS == 8 ? 128 : (MIN ? 0 : 8);
-  const int64_t G = xq.G, steps = (G + S - 1) / S;
-  LanesX lx{steps, std::vector<int8_t>(xq.M * steps * xb, 0),
+  const int64_t G = xq.G, steps = (G + S - 1) / S, gpad = (G + 15) / 16 * 16;
+  LanesX lx{steps, gpad, std::vector<int8_t>(xq.M * steps * xb, 0),
             std::vector<float>(xq.M * steps * 16, 0.f),
-            std::vector<float>(xq.M * steps * 16, 0.f),
-            std::vector<int32_t>(xq.M * steps * 16, 0)};
+            std::vector<int32_t>(xq.M * steps * 16, 0),
+            std::vector<float>(xq.M * gpad, 0.f)};
   for (int64_t r = 0; r < xq.M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = r * G + g, t = g / S, jj = g % S;
@@ -154,11 +156,9 @@ LanesX lanes_x(const QuantX& xq) {
         std::copy(src + 16, src + 32, dst + 64 + jj * 16);
       }
       const int64_t lane0 = (r * steps + t) * 16 + jj * L;
-      for (int64_t l = 0; l < L; ++l) {
-        lx.dxl[lane0 + l] = xq.dx[i];
-        lx.xsl[lane0 + l] = xq.dx[i] * static_cast<float>(xq.sx[i]) / static_cast<float>(L);
-      }
+      for (int64_t l = 0; l < L; ++l) lx.dxl[lane0 + l] = xq.dx[i];
       lx.off[lane0] = offset * xq.sx[i];
+      lx.xs[r * gpad + g] = xq.dx[i] * static_cast<float>(xq.sx[i]);
     }
   }
   return lx;
@@ -173,12 +173,12 @@ inline __m512 expand(const c10::Half* p, int n) {
                              : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
 }
-template <int S>
-inline __m512 expand(const float* p, int n) {
-  const __m128 v = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), p);
-  const __m512i idx = S == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                             : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+// Up to 16 consecutive mins (fp16 or float32) as floats, the rest 0.
+inline __m512 load16(const c10::Half* p, int n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
+}
+inline __m512 load16(const float* p, int n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
 
 // One output column against R rows of x (rows r0.. of lx).
@@ -198,8 +198,6 @@ inline void column_vnni(const LanesX& lx, int64_t r0, int64_t G, const uint8_t* 
     const __m512i v = n == S ? _mm512_loadu_si512(qt)
                              : _mm512_maskz_loadu_epi8((~0ULL) >> (64 - n * gbytes), qt);
     const __m512 d = expand<S>(s + g0, n);
-    __m512 mn;
-    if constexpr (MIN) mn = expand<S>(m + g0, n);
     __m512i lo, hi;
     if constexpr (BITS == 8) {
       lo = _mm512_xor_si512(v, flip);
@@ -215,7 +213,13 @@ inline void column_vnni(const LanesX& lx, int64_t r0, int64_t G, const uint8_t* 
       if constexpr (has_off) isum = _mm512_sub_epi32(isum, _mm512_loadu_si512(lx.off.data() + at * 16));
       const __m512 dd = _mm512_mul_ps(d, _mm512_loadu_ps(lx.dxl.data() + at * 16));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[r]);
-      if constexpr (MIN) acc[r] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(lx.xsl.data() + at * 16), acc[r]);
+    }
+  }
+  if constexpr (MIN) {  // sum_g m_g * dx_g * Sx_g, 16 groups at a time
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const __m512 mn = load16(m + g0, static_cast<int>(std::min<int64_t>(16, G - g0)));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(lx.xs.data() + (r0 + r) * lx.gpad + g0), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -250,16 +254,9 @@ void run_format(T* out, const QuantX& xq, int64_t N, const uint8_t* qw, const c1
 #endif
   const int64_t G = xq.G;
   for (int64_t r0 = 0; r0 < xq.M; r0 += kMaxRows) {
-    switch (std::min(kMaxRows, xq.M - r0)) {
-      case 1: rows_pass<BITS, MIN, 1, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      case 2: rows_pass<BITS, MIN, 2, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      case 3: rows_pass<BITS, MIN, 3, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      case 4: rows_pass<BITS, MIN, 4, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      case 5: rows_pass<BITS, MIN, 5, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      case 6: rows_pass<BITS, MIN, 6, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      case 7: rows_pass<BITS, MIN, 7, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-      default: rows_pass<BITS, MIN, 8, T, MT>(out, xl, r0, G, N, qw, s, m); break;
-    }
+    nvllm_cpu::with_rows(std::min(kMaxRows, xq.M - r0), [&](auto R) {
+      rows_pass<BITS, MIN, decltype(R)::value, T, MT>(out, xl, r0, G, N, qw, s, m);
+    });
   }
 }
 
@@ -281,21 +278,10 @@ void run(T* out, const QuantX& xq, int64_t N, const uint8_t* qw, const c10::Half
 void quant_linear_a8(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                      int64_t bits) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (bits == 8 ? K : K / 2),
-              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.size(0) == N && scales.size(1) == K / kGroup,
-              "scales: contiguous fp16 [N, K / 32]");
-  if (mins.has_value()) {
-    TORCH_CHECK((mins->scalar_type() == at::kHalf || mins->scalar_type() == at::kFloat) &&
-                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "mins: fp16 or float32, shaped like scales");
-  }
+  nvllm_cpu::check_quant_weight(qweight, scales, mins, bits, N, K);
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
@@ -308,8 +294,7 @@ void quant_linear_a8(at::Tensor out, const at::Tensor& x, const at::Tensor& qwei
     if (f32) run(out.data_ptr<float>(), xq, N, qw, s, m, bits);
     else run(reinterpret_cast<uint16_t*>(out.data_ptr()), xq, N, qw, s, m, bits);
   };
-  if (mins.has_value() && mins->scalar_type() == at::kFloat) go(mins->data_ptr<float>());
-  else go(mins.has_value() ? mins->data_ptr<c10::Half>() : static_cast<c10::Half*>(nullptr));
+  nvllm_cpu::with_mins(mins, go);
 }
 
 // Whether this build has the AVX-512 VNNI loop (else the portable one).
