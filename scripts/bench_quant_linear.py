@@ -110,6 +110,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.decode and args.rows == p.get_default("rows"):
         args.rows = "1,2,3,4,6,8"
+    if args.decode and not cpu_ops.load():
+        raise SystemExit("--decode compares nvllm's CPU ops: build them with "
+                         "python -m nvllm.kernels.cpu_ops")
     make = decode_candidates if args.decode else candidates
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

@@ -57,7 +57,7 @@ GROUP = 32
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
 # Up to this many rows of x (by the weight's bits), the int8-activation op
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI: see a8_rows.
-A8_MAX_ROWS = {4: 8, 8: 8}
+A8_MAX_ROWS = {4: 8, 8: 2}
 # NVLLM_QUANT_ACTIVATIONS: "auto" (default: the int8-activation op up to A8_MAX_ROWS rows,
 # where it is vectorized), "off" (activations stay in the run dtype: results equal
 # dequantize-then-matmul up to float32 summation order), "always" (every row count, for
