@@ -17,8 +17,11 @@ scale * (q - z) is ``int4+min32`` exactly (nvllm/worker/awq_gptq.py); GGUF's K-q
 repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
 ``QuantizedWeight.matmul`` is x W^T: on CUDA the Triton W4A16 / W8A16 GEMM
-(``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU nvllm's
-native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32 accumulation)
+(``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU, up to
+``a8_rows`` rows (decode), x quantized to int8 per group of 32 and integer dot products
+(``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI: llama.cpp's Q8 activations; results move
+by x's rounding, at most half its step per value); else nvllm's native op
+(``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32 accumulation)
 for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
 (one native pass, or the torch reference ``dequantize`` without the native ops) and
 ``torch.mm``. ``quantize`` is round-to-nearest per group, symmetric (no min), for float
@@ -32,6 +35,14 @@ linearly with the rows (a dot-product kernel: ~2x a float32 GEMM's per-row cost)
 tile path wins from ~8 rows with bfloat16 activations (bfloat16 GEMM: 3072 x 576 at 16
 rows 0.62 ms against 1.08) and from ~16-32 with float32 (0.95 vs 1.04 ms at 16 rows, 1.94
 vs 1.77 at 32): hence ``NATIVE_MAX_ROWS`` per dtype.
+
+The int8-activation op against the native one (``--decode --threads 1``, same
+machine, heavily shared, minimum of 5; SmolLM2's shapes, float32 x): at one row int4+min
+1.4-2.1x faster (3072 x 576: 79 against 150 us; the per-layer linears 211 against 393
+us), int4 1.9-3.8x, int8 1.2-1.5x; at 8 rows int4+min 1.8-2.7x, int4 1.3-1.8x, int8
+1.0-1.4x; at 4 rows int4 0.94-1.6x and int8 0.8-1.0x (the native op's 4-row pass is its
+best). Hence ``A8_MAX_ROWS``: 8 rows for int4 formats, 2 for int8 (scripts/
+bench_quant_linear.py --decode prints the speed-ups per shape and row count).
 
 torch's own weight-only ops do not fit GGUF's blocks exactly: ``_weight_int8pack_mm`` has
 one scale per output channel (Q8_0 has one per 32 values), and
