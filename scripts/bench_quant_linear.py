@@ -10,6 +10,11 @@ each format against dense F.linear) and prints a8's speed-up over the native op.
 
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py [--threads 2] [--rows 1,2,4,8,16,32,64]
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py --decode --threads 1
+    PYTHONPATH=$PWD python scripts/bench_quant_linear.py --paired 400 --threads 2
+
+``--paired N``: one decoder layer's linears (qkv, o, gate_up, down) at one row in int4+min,
+the a8 op and the native op called alternately N times each, so both see the same load
+(what a shared machine needs): medians, minimums and how often a8 was the faster.
 """
 
 from __future__ import annotations
@@ -98,21 +103,53 @@ def candidates(n: int, k: int, m: int):
     return out
 
 
+def paired(calls: int) -> None:
+    import statistics
+
+    layers = []
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = SHAPES[name]
+        qw = QuantizedWeight(INT4_MIN, n, k)
+        qw.write(0, 0, *quantize(torch.randn(n, k) * 0.05, INT4_MIN))
+        layers.append((torch.randn(1, k), qw))
+
+    def layer(op) -> float:
+        t0 = time.perf_counter()
+        for x, qw in layers:
+            op(x, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+        return time.perf_counter() - t0
+
+    a8, native = [], []
+    for _ in range(calls):
+        a8.append(layer(cpu_ops.quant_linear_a8))
+        native.append(layer(cpu_ops.quant_linear))
+    wins = sum(a < b for a, b in zip(a8, native))
+    print(f"one layer's linears, int4+min, 1 row, {torch.get_num_threads()} threads: a8 median "
+          f"{statistics.median(a8) * 1e6:.0f} us (min {min(a8) * 1e6:.0f}), native "
+          f"{statistics.median(native) * 1e6:.0f} us (min {min(native) * 1e6:.0f}); "
+          f"a8 faster in {wins}/{calls} pairs")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="a8 vs native on one layer's linears, N alternating calls each")
     p.add_argument("--decode", action="store_true",
                    help="rows 1..8 (unless --rows), native vs a8 vs dense only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.decode and args.rows == p.get_default("rows"):
         args.rows = "1,2,3,4,6,8"
-    if args.decode and not cpu_ops.load():
-        raise SystemExit("--decode compares nvllm's CPU ops: build them with "
+    if (args.decode or args.paired) and not cpu_ops.load():
+        raise SystemExit("--decode / --paired compare nvllm's CPU ops: build them with "
                          "python -m nvllm.kernels.cpu_ops")
+    if args.paired:
+        paired(args.paired)
+        return
     make = decode_candidates if args.decode else candidates
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
