@@ -20,9 +20,9 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 (``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU, up to
 ``a8_rows`` rows (decode), x quantized to int8 per group of 32 and integer dot products
 (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI: llama.cpp's Q8 activations; results move
-by x's rounding, at most half its step per value); else nvllm's native op
-(``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32 accumulation)
-for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
+by x's rounding, at most half its step per value; opt-in, NVLLM_QUANT_ACTIVATIONS);
+else nvllm's native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32
+accumulation) for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
 (one native pass, or the torch reference ``dequantize`` without the native ops) and
 ``torch.mm``. ``quantize`` is round-to-nearest per group, symmetric (no min), for float
 checkpoints quantized at load.
@@ -69,10 +69,12 @@ NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
 # Up to this many rows of x (by the weight's bits), the int8-activation op
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI: see a8_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
-# NVLLM_QUANT_ACTIVATIONS: "auto" (default: the int8-activation op up to A8_MAX_ROWS rows,
-# where it is vectorized), "off" (activations stay in the run dtype: results equal
-# dequantize-then-matmul up to float32 summation order), "always" (every row count, for
-# measuring its quality teacher-forced; slow on long prompts).
+# NVLLM_QUANT_ACTIVATIONS: "off" (the default: activations stay in the run dtype, results
+# equal dequantize-then-matmul up to float32 summation order), "auto" (the int8-activation
+# op up to A8_MAX_ROWS rows, where it is vectorized), "always" (every row count, for
+# measuring its quality teacher-forced; slow on long prompts). Off by default: on the real
+# model it changes greedy output beyond the near-tie rule (docs/quantization.md, CPU
+# kernels) and its end-to-end gain is not yet measured on a quiet machine.
 A8_ENV = "NVLLM_QUANT_ACTIVATIONS"
 A8_MODES = ("auto", "off", "always")
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
@@ -209,13 +211,14 @@ _A8: list[str] = []  # the mode in effect, once asked ("off" where not vectorize
 
 def a8_rows(fmt: QuantFormat) -> int:
     """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 and takes the
-    VNNI op (0: never). The rule: by default where it was measured faster than the float
-    op (A8_MAX_ROWS, docs/quantization.md's table); never where ``NVLLM_QUANT_ACTIVATIONS=off``
-    asks for float activations (exact dequantize-then-matmul, what greedy-equality tests
-    pin) or where the op was built without AVX-512 VNNI (its portable loop is slower than
-    the float op); any row count under ``always``. Read once per process."""
+    VNNI op (0: never). The rule: under ``NVLLM_QUANT_ACTIVATIONS=auto``, where it was
+    measured faster than the float op (A8_MAX_ROWS, docs/quantization.md's table) and
+    built with AVX-512 VNNI (its portable loop is slower than the float op); never under
+    ``off``, the default (float activations: dequantize-then-matmul, what the
+    greedy-equality tests rely on); any row count under ``always``. Read once per
+    process."""
     if not _A8:
-        mode = os.environ.get(A8_ENV, "auto")
+        mode = os.environ.get(A8_ENV, "off")
         if mode not in A8_MODES:
             raise ValueError(f"{A8_ENV}={mode!r}; expected one of {', '.join(A8_MODES)}")
         if mode != "off":
