@@ -95,7 +95,7 @@ def children(pid: int, proc: pathlib.Path = pathlib.Path("/proc")) -> list[int]:
     return out
 
 
-def tree(root: int) -> list[int]:
+def tree(root: int, proc: pathlib.Path = pathlib.Path("/proc")) -> list[int]:
     """The root and all its descendants, parents first."""
     seen, order = set(), []
     stack = [root]
@@ -104,7 +104,7 @@ def tree(root: int) -> list[int]:
         if pid not in seen:
             seen.add(pid)
             order.append(pid)
-            stack += children(pid)
+            stack += children(pid, proc)
     return order
 
 
