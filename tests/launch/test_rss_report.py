@@ -8,7 +8,7 @@ import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("rss_report", ROOT / "scripts" / "rss_report.py")
 rss_report = importlib.util.module_from_spec(spec)
 sys.modules["rss_report"] = rss_report  # dataclasses look their module up
