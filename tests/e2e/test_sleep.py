@@ -156,10 +156,10 @@ def _served(endpoint: str, a: dict, b: dict, b_dir: str, refs_a: list, refs_b: l
         assert client.engine_state() == {
             "op": "state", "is_sleeping": False, "is_paused": False, "level": 0,
             "asleep": [], "weights_missing": 0, "weight_version": "B"}
-    _admin_routes(endpoint)
+    _admin_routes(endpoint, b_dir)
 
 
-def _admin_routes(endpoint: str) -> None:
+def _admin_routes(endpoint: str, b_dir: str) -> None:
     """The gateway's admin routes against the engine (their guards: test_admin.py)."""
     from fastapi.testclient import TestClient
 
@@ -167,8 +167,8 @@ def _admin_routes(endpoint: str) -> None:
 
     key = {"authorization": "Bearer k"}
     with TestClient(create_app(GatewayConfig(endpoint, "tiny", api_key="k"))) as c:
-        def call(method: str, path: str, status: int = 200) -> dict:
-            r = getattr(c, method)(path, headers=key)
+        def call(method: str, path: str, status: int = 200, **body: object) -> dict:
+            r = getattr(c, method)(path, headers=key, **({"json": body} if body else {}))
             assert r.status_code == status, r.text
             return r.json()
 
@@ -180,6 +180,8 @@ def _admin_routes(endpoint: str) -> None:
         assert slept["level"] == 1 and slept["kv_cache_bytes"] > 0
         assert call("get", "/is_sleeping") == {"is_sleeping": True}
         assert "already asleep" in call("post", "/sleep", 409)["error"]["message"]
+        assert "asleep" in call("post", "/update_weights_from_path", 409,
+                                path=b_dir)["error"]["message"]
         assert call("post", "/wake_up?tags=scheduling", 409)["error"]["code"] == "bad_state"
         woke = call("post", "/wake_up?tags=kv_cache&tags=weights")
         assert woke["kv_cache_bytes"] == slept["kv_cache_bytes"] and not woke["asleep"]
@@ -187,6 +189,11 @@ def _admin_routes(endpoint: str) -> None:
         call("post", "/wake_up?tags=scheduling")
         assert call("get", "/is_sleeping") == {"is_sleeping": False}
         assert call("get", "/is_paused") == {"is_paused": False}
+        assert call("post", "/update_weights_from_disk", model_path=b_dir,
+                    weight_version="B2") == {"success": True, "weight_version": "B2"}
+        assert call("get", "/weight_info") == {"weight_version": "B2"}
+        missing = call("post", "/update_weights_from_path", 400, path=b_dir + "-none")
+        assert missing["error"]["code"] == "weights_refused", missing
 
 
 async def _sleep_keep(endpoint: str) -> tuple:

@@ -16,6 +16,7 @@ class FakeLeader:
 
         self.model_path = model_path
         self.submits: list[dict] = []
+        self.controls: list[dict] = []  # weights_from_path: answered as loaded, or `error`
         self.ready = True  # health: False answers not ready, with a reason naming the path
         self.script: list[str] | None = None
         self.error: tuple[str, str] | None = None
@@ -52,6 +53,11 @@ class FakeLeader:
                 send(peer, {"op": "metrics", "text": "fake_leader_up 1\n"})
             elif op == "ping":
                 send(peer, {"op": "pong"})
+            elif op == "weights_from_path":
+                self.controls.append(msg)
+                send(peer, {"op": "error", "id": None, "code": self.error[0],
+                            "message": self.error[1]} if self.error is not None else
+                     {"op": op, "weight_version": msg.get("weight_version") or 1})
             elif op == "submit":
                 self.submits.append(msg)
                 p = msg["params"]
