@@ -167,8 +167,8 @@ def _admin_routes(endpoint: str, b_dir: str) -> None:
 
     key = {"authorization": "Bearer k"}
     with TestClient(create_app(GatewayConfig(endpoint, "tiny", api_key="k"))) as c:
-        def call(method: str, path: str, status: int = 200, **body: object) -> dict:
-            r = getattr(c, method)(path, headers=key, **({"json": body} if body else {}))
+        def call(method: str, route: str, status: int = 200, **body: object) -> dict:
+            r = getattr(c, method)(route, headers=key, **({"json": body} if body else {}))
             assert r.status_code == status, r.text
             return r.json()
 

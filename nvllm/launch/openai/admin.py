@@ -25,6 +25,7 @@ from nvllm.common import weight_transfer as wt
 from nvllm.common.client import ClientError
 from nvllm.common.client_limits import INT64_MAX, Int64
 from nvllm.common.sleep_mode import PAUSE_MODES, WAKE_TAGS
+from nvllm.common.weight_transfer import WeightUpdateError
 from nvllm.launch.openai.body import read_body
 from nvllm.launch.openai.errors import ApiError, from_leader
 from nvllm.launch.openai.state import GatewayState
@@ -71,6 +72,8 @@ async def _call(coro: Any) -> Any:
         if e.code in ("bad_state", "resumed"):
             raise ApiError(409, e.message, code=e.code) from None
         raise from_leader(e) from e
+    except WeightUpdateError as e:  # the update was refused, nothing changed
+        raise ApiError(400, str(e), code="weights_refused") from None
     except Exception as e:
         raise from_leader(e) from e
 
@@ -190,23 +193,12 @@ async def _body(request: Request, kind: type[T]) -> T:
                        code="invalid_json") from None
 
 
-async def _weights_call(coro: Any) -> Any:
-    """_call, with a refused update (names or shapes not the model's) a 400."""
-    try:
-        return await _call(coro)
-    except ApiError as e:
-        if e.code == "weights_refused":
-            raise ApiError(400, e.message.removeprefix("leader error weights_refused: "),
-                           code=e.code) from None
-        raise
-
-
 @router.post("/init_weight_update_group")
 async def init_weight_update_group(request: Request) -> dict:
     """Join a trainer's weight-update process group (rank 0 is the trainer); answers once
     every worker joined."""
     b = await _body(request, InitWeightUpdateGroupBody)
-    await _weights_call(_state(request).client.init_weight_update_group(
+    await _call(_state(request).client.init_weight_update_group(
         b.master_address, b.master_port, b.rank_offset, b.world_size, b.group_name,
         b.backend, b.timeout_s))
     return {"success": True, "message": f"joined {b.group_name}"}
@@ -220,7 +212,7 @@ async def update_weights_from_distributed(request: Request) -> dict:
     if not len(b.names) == len(b.dtypes) == len(b.shapes):
         raise ApiError(400, "names, dtypes and shapes need one entry per tensor",
                        param="names", code="invalid_value")
-    version = await _weights_call(_state(request).client.update_weights_from_distributed(
+    version = await _call(_state(request).client.update_weights_from_distributed(
         b.names, b.dtypes, b.shapes, b.weight_version))
     return {"success": True, "weight_version": version}
 
@@ -233,6 +225,6 @@ async def update_weights_from_path(request: Request) -> dict:
     if (b.path is None) == (b.model_path is None):
         raise ApiError(400, "give the checkpoint folder as exactly one of path or "
                             "model_path", param="path", code="invalid_value")
-    version = await _weights_call(_state(request).client.update_weights_from_path(
+    version = await _call(_state(request).client.update_weights_from_path(
         b.path or b.model_path, b.weight_version))
     return {"success": True, "weight_version": version}
