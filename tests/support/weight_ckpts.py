@@ -50,9 +50,20 @@ def _hf(folder: str):
 @torch.no_grad()
 def hf_greedy(folder: str, state: dict[str, torch.Tensor], prompt: list[int],
               max_tokens: int = MAX_TOKENS) -> list[int]:
-    """HF greedy tokens on `folder`'s architecture holding `state`."""
+    """HF greedy tokens on `folder`'s architecture holding `state`. Every name of `state`
+    must land in the model, and every model tensor but a tied lm_head must come from it:
+    HF fuses some checkpoint tensors on load (transformers 5's per-expert MoE weights),
+    and load_state_dict(strict=False) would skip those names silently, leaving the
+    folder's weights in place; such a reference must load B's folder instead."""
     model = _hf(folder)
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings \
+        else set()
+    if unexpected or set(missing) - tied:
+        raise AssertionError(
+            f"HF's {type(model).__name__} does not take these tensors by name (missing "
+            f"{sorted(set(missing) - tied)[:4]}, unexpected {sorted(unexpected)[:4]}): "
+            "build the reference with from_pretrained on a folder holding them")
     gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
                          min_new_tokens=max_tokens, pad_token_id=0)
     return gen[0, len(prompt):].tolist()
@@ -72,8 +83,6 @@ def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[lis
     if label not in _REFS:
         _REFS[label] = [hf_greedy(folder, state, p) for p in PROMPTS]
     return _REFS[label]
-
-
 
 
 def tensors_of(folder) -> dict[str, torch.Tensor]:
