@@ -5,6 +5,11 @@ tests/e2e/test_weight_sources.py)."""
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +117,36 @@ def held_params(runner) -> dict[str, torch.Tensor]:
         else:
             out[name] = p.detach().clone()
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_trainer(port: int, world: int, *folders) -> subprocess.Popen:
+    """The trainer, rank 0 of a weight-update group, in a process of its own
+    (group_trainer.py: it broadcasts the first folder's tensors in sorted name order)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    script = pathlib.Path(__file__).parent / "group_trainer.py"
+    return subprocess.Popen([sys.executable, str(script), str(port), str(world),
+                             *map(str, folders)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def group_specs(state: dict[str, torch.Tensor]) -> tuple[list, list, list]:
+    """update_weights_from_distributed's names, dtypes and shapes, in the trainer's
+    broadcast order."""
+    names = sorted(state)
+    return names, [str(state[n].dtype).removeprefix("torch.") for n in names], \
+        [list(state[n].shape) for n in names]
+
+
+def finish_trainer(proc: subprocess.Popen, code: int) -> None:
+    """Wait for the trainer (60 s at most) and check its exit status."""
+    try:
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err[-2000:]
