@@ -16,7 +16,7 @@ class FakeLeader:
 
         self.model_path = model_path
         self.submits: list[dict] = []
-        self.controls: list[dict] = []  # weights_from_path: answered as loaded, or `error`
+        self.controls: list[dict] = []  # weights_from_path, init_weight_update_group
         self.ready = True  # health: False answers not ready, with a reason naming the path
         self.script: list[str] | None = None
         self.error: tuple[str, str] | None = None
@@ -53,7 +53,7 @@ class FakeLeader:
                 send(peer, {"op": "metrics", "text": "fake_leader_up 1\n"})
             elif op == "ping":
                 send(peer, {"op": "pong"})
-            elif op == "weights_from_path":
+            elif op in ("weights_from_path", "init_weight_update_group"):
                 self.controls.append(msg)
                 send(peer, {"op": "error", "id": None, "code": self.error[0],
                             "message": self.error[1]} if self.error is not None else

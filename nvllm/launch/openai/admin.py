@@ -71,6 +71,8 @@ async def _call(coro: Any) -> Any:
     except ClientError as e:
         if e.code in ("bad_state", "resumed"):
             raise ApiError(409, e.message, code=e.code) from None
+        if e.code == "bad_op":  # a router refuses the process-group messages, saying why
+            raise ApiError(400, e.message, code=e.code) from None
         raise from_leader(e) from e
     except WeightUpdateError as e:  # the update was refused, nothing changed
         raise ApiError(400, str(e), code="weights_refused") from None

@@ -97,3 +97,15 @@ def test_update_weights_from_disk_forwards_model_path(gateway, leader):
     leader.error = ("bad_state", "pause generation before updating the weights")
     r = c.post("/update_weights_from_path", json={"path": "/ckpt/b"}, headers=AUTH)
     assert r.status_code == 409 and "pause generation" in r.json()["error"]["message"]
+
+
+def test_init_weight_update_group_forwards_and_a_routers_refusal_is_a_400(gateway, leader):
+    c = gateway(api_key=KEY)
+    r = c.post("/init_weight_update_group", json={**GROUP, "backend": "gloo"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    (sent,) = leader.controls
+    assert {k: sent[k] for k in GROUP} == GROUP and sent["backend"] == "gloo"
+    assert sent["group_name"] == "weight_update_group" and sent["timeout_s"] == 60.0
+    leader.error = ("bad_op", "the router does not relay init_weight_update_group: ...")
+    r = c.post("/init_weight_update_group", json=GROUP, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_op"
