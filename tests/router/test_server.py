@@ -235,4 +235,6 @@ def test_process_group_messages_are_refused_with_where_to_send_them(stalling, ro
             c.init_weight_update_group("127.0.0.1", 29500, 1, 2)
         with pytest.raises(ClientError, match="bad_op.*each replica's leader"):
             c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]])
-    assert not any(leader.controls for leader in stalling)
+    # (the client's best-effort weights_abort after the refusal is relayed: harmless)
+    assert not [m for leader in stalling for m in leader.controls
+                if m["op"] in ("init_weight_update_group", "weights_from_distributed")]
