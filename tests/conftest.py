@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -173,3 +174,32 @@ class ProcUtils:
 @pytest.fixture(scope="session")
 def procs() -> type[ProcUtils]:
     return ProcUtils
+
+
+# Modules without the e2e mark that still take tens of seconds (compilers, subprocesses,
+# property-based fuzzing): a scheduling hint for pytest-xdist, nothing else.
+SLOW_MODULES = frozenset({
+    "tests/kernels/test_triton_compile.py",
+    "tests/kernels/test_cpu_attention.py",
+    "tests/leader/test_fuzz.py",
+    "tests/common/test_config.py",
+    "tests/launch/test_tiny.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh: --dist loadscope, which hands out whole modules
+    in the order they come here, with --no-loadscope-reorder): the long modules first, the
+    end-to-end ones (marked e2e) and SLOW_MODULES, each group largest first, so that what
+    is left at the end is short and neither worker idles long waiting for the other."""
+    if not hasattr(config, "workerinput"):
+        return
+    module = {id(it): it.nodeid.split("::")[0] for it in items}
+    count = Counter(module.values())
+    slow = {m for m in count if m in SLOW_MODULES}
+    slow |= {module[id(it)] for it in items if it.get_closest_marker("e2e") is not None}
+    first = {}
+    for i, it in enumerate(items):
+        first.setdefault(module[id(it)], i)
+    items.sort(key=lambda it: (module[id(it)] not in slow, -count[module[id(it)]],
+                               first[module[id(it)]]))
