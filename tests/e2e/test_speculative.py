@@ -11,6 +11,7 @@ output, with a wrong token planted now and then (partial acceptance)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import signal
@@ -134,10 +135,22 @@ def run_steps(llm, prompts, params, kill_at: int | None = None):
     return [done[f"q{i}"] for i in range(len(prompts))]
 
 
+_REFERENCES: dict[tuple, tuple] = {}
+
+
 def reference(model: str, kw: dict):
-    """The batch and its outputs with speculation off. Requests 1 and 2 stop at a stop
-    string / stop token their first reference output produced mid-way (so a speculative
-    run meets them inside accepted runs)."""
+    """The batch and its outputs with speculation off, computed once per model and engine
+    settings (both tests at a tp compare against the same run); each caller gets its own
+    copy."""
+    key = (model, tuple(sorted(kw.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(model, kw)
+    return copy.deepcopy(_REFERENCES[key])
+
+
+def _reference(model: str, kw: dict):
+    """Requests 1 and 2 stop at a stop string / stop token their first reference output
+    produced mid-way (so a speculative run meets them inside accepted runs)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
