@@ -237,7 +237,9 @@ def shm_peer_dies(rank: int, world: int, name: str, how: str) -> str:
 
     from nvllm.worker.shm_allreduce import ShmAllReduceError
 
-    shm = _attach(rank, world, name, timeout_s=1.5)
+    # "exit" must be seen by the pid check, not the timeout: a long timeout keeps a slow
+    # process exit (a loaded machine) from looking like a stall.
+    shm = _attach(rank, world, name, timeout_s=1.5 if how == "stall" else 20.0)
     for _ in range(5):
         shm.all_reduce(torch.ones(576))
     if rank != 0:

@@ -117,19 +117,27 @@ def test_worker_survives_hostile_plan_frames(tiny, tmp_path):
     assert "dropping malformed plan frame" in log and "rejecting step 2" in log
 
 
+def _answer_heartbeat(leader: FakeLeader) -> None:
+    if leader.hb.poll(100):
+        ident, _ = leader.hb.recv_multipart()
+        leader.hb.send_multipart([ident, b""])
+
+
 def test_an_oversized_plan_is_dropped_and_reported(tiny, tmp_path):
     """ZMQ drops a frame over the limit before Python sees it (and the connection with
     it): the worker tells the leader it lost its plan channel instead of waiting forever."""
     leader = FakeLeader(tiny("qwen3"), tmp_path, hb_timeout_s=2.0)
     hb_answers = True
     try:
-        assert leader.recv(120).stage == "loaded"
+        t0 = time.monotonic()
+        while not leader.result.poll(0):  # answer heartbeats while it loads (a slow
+            _answer_heartbeat(leader)     # load must not cost the worker its leader)
+            assert time.monotonic() - t0 < 120, "worker never loaded"
+        assert leader.recv().stage == "loaded"
         leader.send(b"\x00" * (2 * MAX_PLAN_BYTES))
         t0 = time.monotonic()
         while True:  # answer heartbeats meanwhile, so only the plan channel is at stake
-            if leader.hb.poll(100):
-                ident, _ = leader.hb.recv_multipart()
-                leader.hb.send_multipart([ident, b""])
+            _answer_heartbeat(leader)
             if leader.result.poll(0):
                 break
             assert time.monotonic() - t0 < 30, "worker never reported the lost channel"
