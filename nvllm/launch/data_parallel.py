@@ -57,17 +57,20 @@ class DataParallelOptions:
 
 def start_replica(index: int, model: str, engine_kwargs: dict[str, Any], folder: str,
                   served_model_name: str | None, max_frame_bytes: int,
-                  shutdown_timeout: float, log_level: str, port: int = 0
+                  shutdown_timeout: float, log_level: str, port: int = 0, *,
+                  host: str = "127.0.0.1", curve_key_dir: str | None = None
                   ) -> tuple[subprocess.Popen, str]:
-    """One replica's leader process (serving on loopback `port`, 0: one it picks);
-    returns it and the file its endpoint will be in."""
+    """One replica's leader process (serving on host:`port`, 0: a port it picks; keyed
+    with `curve_key_dir`, so only the router and keyed clients get in); returns it and
+    the file its endpoint will be in."""
     endpoint_file = os.path.join(folder, f"replica-{index}.endpoint")
     if os.path.exists(endpoint_file):  # a dead predecessor's
         os.unlink(endpoint_file)
     spec = {"role": "replica", "index": index, "model": model, "engine_kwargs": engine_kwargs,
             "endpoint_file": endpoint_file, "served_model_name": served_model_name,
             "max_frame_bytes": max_frame_bytes, "shutdown_timeout": shutdown_timeout,
-            "log_level": log_level, "parent_pid": os.getpid(), "port": port}
+            "log_level": log_level, "parent_pid": os.getpid(), "port": port,
+            "host": host, "curve_key_dir": curve_key_dir}
     return _spawn(spec), endpoint_file
 
 
@@ -147,7 +150,7 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
     def replica(index: int) -> Start:
         return lambda replica_port: start_replica(
             index, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
-            shutdown_timeout, log_level, replica_port)
+            shutdown_timeout, log_level, replica_port, curve_key_dir=curve_key_dir)
 
     try:
         replicas = [replica(i)(0) for i in range(dp.size)]
@@ -253,8 +256,9 @@ def _replica_main(spec: dict[str, Any]) -> None:
     engine = engine_builder.build_engine(EngineConfig(model=spec["model"],
                                                       **spec["engine_kwargs"]))
     try:
-        server = EngineServer(engine, "127.0.0.1", spec["port"],
+        server = EngineServer(engine, spec["host"], spec["port"],
                               model_name=spec["served_model_name"],
+                              curve_key_dir=spec["curve_key_dir"],
                               max_frame_bytes=spec["max_frame_bytes"])
         try:
             _write_endpoint(spec["endpoint_file"], server.endpoint)

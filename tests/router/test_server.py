@@ -180,3 +180,21 @@ def test_a_request_that_cannot_be_replayed_ends_with_one_error_saying_why(
         with pytest.raises(EngineDeadError, match=f"could not be replayed on another: {why}"):
             list(stream)
     assert (r.router.replayed, r.router.failed_by_replica_loss) == ({}, {first: 1})
+
+
+def test_with_curve_keys_a_replica_admits_the_router_and_refuses_unkeyed_clients(
+        tmp_path, router):
+    from nvllm.common.zmq_utils import generate_keys
+
+    keys = str(generate_keys(tmp_path / "keys"))
+    leader = FakeLeader(str(tmp_path), curve_key_dir=keys)
+    try:
+        with Client(leader.endpoint, timeout_s=1) as unkeyed, \
+                pytest.raises(TimeoutError, match="no answer"):
+            unkeyed.info()  # the handshake is refused: no frame of it reaches the leader
+        r = router([leader.endpoint], curve_key_dir=keys)
+        with Client(r.endpoint, timeout_s=10, curve_key_dir=keys) as c:
+            assert c.generate([1, 2], {"max_tokens": 1}).outputs[0].text == "x"
+        assert len(leader.submits) == 1
+    finally:
+        leader.close()
