@@ -60,11 +60,11 @@ class DataParallelOptions:
 def start_replica(index: int, model: str, engine_kwargs: dict[str, Any], folder: str,
                   served_model_name: str | None, max_frame_bytes: int,
                   shutdown_timeout: float, log_level: str, port: int = 0, *,
-                  host: str = "127.0.0.1", curve_key_dir: str | None = None
-                  ) -> tuple[subprocess.Popen, str]:
+                  host: str = "127.0.0.1", curve_key_dir: str | None = None,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """One replica's leader process (serving on host:`port`, 0: a port it picks; keyed
     with `curve_key_dir`, so only the router and keyed clients get in); returns it and
-    the file its endpoint will be in."""
+    the file its endpoint will be in; `env`: its own variables (its devices)."""
     endpoint_file = os.path.join(folder, f"replica-{index}.endpoint")
     if os.path.exists(endpoint_file):  # a dead predecessor's
         os.unlink(endpoint_file)
@@ -73,7 +73,7 @@ def start_replica(index: int, model: str, engine_kwargs: dict[str, Any], folder:
             "max_frame_bytes": max_frame_bytes, "shutdown_timeout": shutdown_timeout,
             "log_level": log_level, "parent_pid": os.getpid(), "port": port,
             "host": host, "curve_key_dir": curve_key_dir}
-    return _spawn(spec), endpoint_file
+    return _spawn(spec, env), endpoint_file
 
 
 def start_router(endpoints: list[str], config: Any, folder: str, host: str, port: int,
@@ -92,8 +92,27 @@ def start_router(endpoints: list[str], config: Any, folder: str, host: str, port
     return _spawn(spec), endpoint_file
 
 
-def _spawn(spec: dict[str, Any]) -> subprocess.Popen:
-    env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
+def replica_devices(slot: int, tp: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the `slot`-th replica on this node: its own `tp` devices
+    of those this launch sees (`visible`, None: all), so that each replica's worker i
+    (which uses cuda:i) lands on a device no other replica uses."""
+    ids = visible.split(",") if visible else [str(i) for i in range((slot + 1) * tp)]
+    if len(ids) < (slot + 1) * tp:
+        raise ValueError(f"replica slot {slot} with --tp {tp} needs {(slot + 1) * tp} "
+                         f"devices; CUDA_VISIBLE_DEVICES={visible} has {len(ids)}")
+    return ",".join(ids[slot * tp:(slot + 1) * tp])
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _spawn(spec: dict[str, Any], extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, **(extra or {}), **{SPEC_ENV: json.dumps(spec)})
     return subprocess.Popen([sys.executable, "-m", "nvllm.launch.data_parallel"], env=env,
                             stdin=subprocess.DEVNULL)
 
@@ -144,11 +163,18 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
     gateway_proc = supervisor = None
     stop = threading.Event()
 
+    on_gpus = defaults.device == "cuda" or defaults.device == "auto" and _cuda_available()
+
     def replica(rank: int) -> Start:
+        env = None  # on GPUs: each replica its own devices of this node's
+        if on_gpus:
+            env = {"CUDA_VISIBLE_DEVICES": replica_devices(
+                rank - place.start_rank, defaults.tensor_parallel_size,
+                os.environ.get("CUDA_VISIBLE_DEVICES"))}
         return lambda replica_port: start_replica(
             rank, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
             shutdown_timeout, log_level, replica_port, host=replica_host,
-            curve_key_dir=curve_key_dir)
+            curve_key_dir=curve_key_dir, env=env)
 
     try:
         replicas = [replica(r)(0) for r in place.ranks]
