@@ -92,23 +92,27 @@ def start_router(endpoints: list[str], config: Any, folder: str, host: str, port
     return _spawn(spec), endpoint_file
 
 
-def replica_devices(slot: int, tp: int, visible: str | None) -> str:
+def replica_devices(slot: int, tp: int, visible: str | None, count: int) -> str | None:
     """CUDA_VISIBLE_DEVICES for the `slot`-th replica on this node: its own `tp` devices
-    of those this launch sees (`visible`, None: all), so that each replica's worker i
-    (which uses cuda:i) lands on a device no other replica uses."""
-    ids = visible.split(",") if visible else [str(i) for i in range((slot + 1) * tp)]
+    of the `count` this launch sees (`visible`: CUDA_VISIBLE_DEVICES, None: all), so that
+    each replica's worker i (which uses cuda:i) lands on a device no other replica uses.
+    None when there are too few: replicas then share devices (small models fit), with a
+    warning."""
+    ids = visible.split(",") if visible else [str(i) for i in range(count)]
     if len(ids) < (slot + 1) * tp:
-        raise ValueError(f"replica slot {slot} with --tp {tp} needs {(slot + 1) * tp} "
-                         f"devices; CUDA_VISIBLE_DEVICES={visible} has {len(ids)}")
+        logger.warning("replica slot %d with --tp %d needs %d devices, %d visible: it "
+                       "shares devices with other replicas", slot, tp, (slot + 1) * tp,
+                       len(ids))
+        return None
     return ",".join(ids[slot * tp:(slot + 1) * tp])
 
 
-def _cuda_available() -> bool:
+def _cuda_devices() -> int:
     try:
         import torch
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return 0
+    return torch.cuda.device_count()
 
 
 def _spawn(spec: dict[str, Any], extra: dict[str, str] | None = None) -> subprocess.Popen:
@@ -163,14 +167,15 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
     gateway_proc = supervisor = None
     stop = threading.Event()
 
-    on_gpus = defaults.device == "cuda" or defaults.device == "auto" and _cuda_available()
+    gpus = _cuda_devices() if defaults.device != "cpu" else 0
 
     def replica(rank: int) -> Start:
         env = None  # on GPUs: each replica its own devices of this node's
-        if on_gpus:
-            env = {"CUDA_VISIBLE_DEVICES": replica_devices(
-                rank - place.start_rank, defaults.tensor_parallel_size,
-                os.environ.get("CUDA_VISIBLE_DEVICES"))}
+        devices = gpus and replica_devices(rank - place.start_rank,
+                                           defaults.tensor_parallel_size,
+                                           os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
+        if devices:
+            env = {"CUDA_VISIBLE_DEVICES": devices}
         return lambda replica_port: start_replica(
             rank, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
             shutdown_timeout, log_level, replica_port, host=replica_host,
