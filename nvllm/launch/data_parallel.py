@@ -204,9 +204,10 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
                                          folder, host, port, curve_key_dir,
                                          max_frame_bytes, shutdown_timeout, log_level,
                                          supervisor)
-            click.echo(f"data parallel: {dp.size} replicas ({place.local} here, pids "
-                       f"{[p.pid for p, _ in replicas]}) at {list(endpoints.values())}, "
-                       f"router policy {dp.router_policy} (router pid {router[0].pid})")
+            click.echo(f"data parallel: {dp.size} replicas (pids "
+                       f"{[p.pid for p, _ in replicas]}) at "
+                       f"{[endpoints[r] for r in range(place.size)]}, router policy "
+                       f"{dp.router_policy} (router pid {router[0].pid})")
             if gateway is not None:
                 from nvllm.launch.openai.cli import start_gateway_process
 
