@@ -1,11 +1,20 @@
 """Time x W^T on SmolLM2-135M's linear shapes, per row count: nvllm's quantized weights
-(the native op, csrc/cpu_quant_linear.cpp, and the dequantize-a-tile-then-torch.mm path),
+(the native op, csrc/cpu_quant_linear.cpp; the int8-activation op, csrc/cpu_quant_vnni.cpp,
+"a8"; and the dequantize-a-tile-then-torch.mm path),
 dense float32 / bfloat16 F.linear, oneDNN-packed float32, and torch's own weight-only ops
 (``_weight_int8pack_mm``: one scale per output channel; ``_weight_int4pack_mm_for_cpu``:
 groups of 32 with a scale and a zero point). Prints one row per (shape, rows): microseconds,
 the minimum of --repeat timings (on a shared machine the minimum is what compares).
+``--decode`` compares only what decode picks between (rows 1..8, the native and a8 ops in
+each format against dense F.linear) and prints a8's speed-up over the native op.
 
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py [--threads 2] [--rows 1,2,4,8,16,32,64]
+    PYTHONPATH=$PWD python scripts/bench_quant_linear.py --decode --threads 1
+    PYTHONPATH=$PWD python scripts/bench_quant_linear.py --paired 400 --threads 2
+
+``--paired N``: one decoder layer's linears (qkv, o, gate_up, down) at one row in int4+min,
+the a8 op and the native op called alternately N times each, so both see the same load
+(what a shared machine needs): medians, minimums and how often a8 was the faster.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nvllm.kernels import cpu_ops
-from nvllm.worker.layers.quant import INT4_MIN, INT8, QuantizedWeight, quantize
+from nvllm.worker.layers.quant import INT4, INT4_MIN, INT8, QuantizedWeight, quantize
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -36,6 +45,22 @@ def timeit(fn, repeat: int) -> float:
             fn()
         times.append((time.perf_counter() - t0) / n)
     return min(times) * 1e6
+
+
+def decode_candidates(n: int, k: int, m: int):
+    """Dense float32 / bfloat16 and, per format, the native and the a8 op (float32 x)."""
+    w = torch.randn(n, k) * 0.05
+    x32 = torch.randn(m, k)
+    wb, x16 = w.bfloat16(), x32.bfloat16()
+    out = {"dense f32": lambda: F.linear(x32, w), "dense bf16": lambda: F.linear(x16, wb)}
+    for fmt in (INT4_MIN, INT4, INT8):
+        qw = QuantizedWeight(fmt, n, k)
+        qw.write(0, 0, *quantize(w, fmt))
+        out[f"{fmt.name} native"] = \
+            lambda qw=qw: cpu_ops.quant_linear(x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+        out[f"{fmt.name} a8"] = lambda qw=qw: cpu_ops.quant_linear_a8(
+            x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+    return out
 
 
 def candidates(n: int, k: int, m: int):
@@ -78,19 +103,63 @@ def candidates(n: int, k: int, m: int):
     return out
 
 
+def paired(calls: int) -> None:
+    import statistics
+
+    layers = []
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = SHAPES[name]
+        qw = QuantizedWeight(INT4_MIN, n, k)
+        qw.write(0, 0, *quantize(torch.randn(n, k) * 0.05, INT4_MIN))
+        layers.append((torch.randn(1, k), qw))
+
+    def layer(op) -> float:
+        t0 = time.perf_counter()
+        for x, qw in layers:
+            op(x, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+        return time.perf_counter() - t0
+
+    a8, native = [], []
+    for _ in range(calls):
+        a8.append(layer(cpu_ops.quant_linear_a8))
+        native.append(layer(cpu_ops.quant_linear))
+    wins = sum(a < b for a, b in zip(a8, native))
+    print(f"one layer's linears, int4+min, 1 row, {torch.get_num_threads()} threads: a8 median "
+          f"{statistics.median(a8) * 1e6:.0f} us (min {min(a8) * 1e6:.0f}), native "
+          f"{statistics.median(native) * 1e6:.0f} us (min {min(native) * 1e6:.0f}); "
+          f"a8 faster in {wins}/{calls} pairs")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="a8 vs native on one layer's linears, N alternating calls each")
+    p.add_argument("--decode", action="store_true",
+                   help="rows 1..8 (unless --rows), native vs a8 vs dense only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode and args.rows == p.get_default("rows"):
+        args.rows = "1,2,3,4,6,8"
+    if (args.decode or args.paired) and not cpu_ops.load():
+        raise SystemExit("--decode / --paired compare nvllm's CPU ops: build them with "
+                         "python -m nvllm.kernels.cpu_ops")
+    if args.paired:
+        paired(args.paired)
+        return
+    make = decode_candidates if args.decode else candidates
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         for m in map(int, args.rows.split(",")):
-            res = {c: timeit(fn, args.repeat) for c, fn in candidates(n, k, m).items()}
+            res = {c: timeit(fn, args.repeat) for c, fn in make(n, k, m).items()}
             cols = "  ".join(f"{c}={t:.0f}" for c, t in res.items())
+            if args.decode:
+                cols += "  | a8 speed-up: " + " ".join(
+                    f"{f}={res[f + ' native'] / res[f + ' a8']:.2f}x"
+                    for f in ("int4+min", "int4", "int8"))
             print(f"{name} {n}x{k} rows={m}: {cols}", flush=True)
 
 

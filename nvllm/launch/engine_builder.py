@@ -13,6 +13,7 @@ from nvllm.common.transport import ArrayWriter, TransportError
 from nvllm.launch.spawn import start_worker_group
 from nvllm.leader.engine import LLMEngine
 from nvllm.leader.executor import Executor
+from nvllm.worker.cpu_malloc import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,11 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEng
             plan_writer.close()
         raise
     try:
-        return LLMEngine(config, executor, tokenizer)
+        engine = LLMEngine(config, executor, tokenizer)
     except BaseException:
         executor.shutdown()
         raise
+    # What the model's metadata, tokenizer and worker start freed stays in the leader's
+    # heap below glibc's dynamic trim threshold (~28 MiB with SmolLM2-135M's GGUF).
+    release_freed_memory()
+    return engine

@@ -8,6 +8,8 @@ streams back under the client's id, so a replica never sees two clients' ids col
 ``abort`` follows the request; a client silent past ``client_timeout_s`` has its requests
 aborted on their replicas, as a leader does. ``info``, ``health`` and ``metrics`` answer
 for the whole set (metrics with a ``replica`` label per replica, plus the router's own).
+The RL control messages go to every replica, answered once all did
+(nvllm/router/control_relay.py).
 
 One thread: it reads the client socket and every replica's socket, never blocking on a
 send (a client that stops reading has an outbox, bounded as the leader's is). A replica
@@ -38,6 +40,7 @@ from nvllm.common.zmq_utils import (
     curve_server,
     make_socket,
 )
+from nvllm.router.control_relay import GROUP_OPS, GROUP_REFUSAL, RELAYED_OPS, ControlRelay
 from nvllm.router.metrics import merge_expositions, router_exposition
 from nvllm.router.policy import (
     CacheAware,
@@ -133,6 +136,7 @@ class Router:
         self._last_seen: dict[bytes, float] = {}
         self._outbox = ClientOutboxes(self.front, self.config.max_client_outbox)
         self._metrics_asks: list[_MetricsAsk] = []
+        self.control = ControlRelay()
         self._ids = itertools.count(1)
         self._last_sweep = time.monotonic()
 
@@ -180,6 +184,8 @@ class Router:
         for link in self.links:
             link.poll_health(now, self.config.replica_timeout_s)
         self._answer_metrics(now)
+        for client, answer in self.control.done():
+            self._send(client, answer)
         self._outbox.flush()
         self._sweep_silent_clients(now)
 
@@ -243,8 +249,19 @@ class Router:
             return self._health(client)
         if op == "metrics":
             return self._ask_metrics(client)
+        if op in RELAYED_OPS:
+            if self.draining:
+                return self._error(client, None, "engine_unavailable", "the router is "
+                                                                       "shutting down")
+            if not self.control.start(client, msg, self.links):
+                return self._error(client, None, "engine_unavailable",
+                                   f"no replica is up ({self._why_down()})")
+            return None
+        if op in GROUP_OPS:
+            return self._error(client, None, "bad_op", GROUP_REFUSAL.format(op=op))
         return self._error(client, None, "bad_op", "unknown op (expected one of abort, "
-                                                   "health, info, metrics, ping, submit)")
+                                                   "health, info, metrics, ping, submit, "
+                                                   + ", ".join(RELAYED_OPS) + ")")
 
     def _submit(self, client: bytes, msg: dict[str, Any]) -> None:
         rid, limit = msg.get("id"), self.config.max_request_id_bytes
@@ -352,7 +369,10 @@ class Router:
         op, rid = msg.get("op"), msg.get("id")
         if op in ("output", "error") and rid is not None:
             return self._relay(rid, msg)
-        link.answered(op if op != "error" else (link.pending[0] if link.pending else ""))
+        asked = op if op != "error" else (link.pending[0] if link.pending else "")
+        link.answered(asked)
+        if asked in RELAYED_OPS and self.control.answered(link.index, asked, msg):
+            return None
         if op == "health":
             link.ready = bool(msg.get("ready"))
             link.reason = None if link.ready else (msg.get("reason") or "not ready")
@@ -412,6 +432,7 @@ class Router:
                 self._drop(rid)
         for ask in self._metrics_asks:
             ask.waiting.discard(link.index)
+        self.control.lost(link.index)
 
     def _replay(self, rid: int, f: Flight) -> str | None:
         """Resume `f` on another replica under a new id (the lost replica's late messages,

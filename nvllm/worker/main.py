@@ -37,7 +37,7 @@ from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.transport import ArrayReader
 from nvllm.common.zmq_utils import make_socket
-from nvllm.worker.cpu_malloc import keep_freed_memory
+from nvllm.worker.cpu_malloc import keep_freed_memory, trim_after_load
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
@@ -268,6 +268,8 @@ def run_worker(spec: dict) -> None:
                 break
             if isinstance(msg, worker_protocol.InitKVCache):
                 runner.init_kv_cache(msg.num_blocks)
+                if device.type == "cpu":
+                    trim_after_load(rank)
                 result_sock.send(worker_protocol.encode(
                     worker_protocol.WorkerReady(rank, "kv", msg.num_blocks)))
             elif isinstance(msg, worker_protocol.LoadGrammars):

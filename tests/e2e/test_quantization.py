@@ -1,10 +1,12 @@
-"""quantization=int8 / int4 / fp8 on a float checkpoint: greedy tokens equal, token for token,
-those of the same model whose linear weights were replaced by their dequantized values
-(a checkpoint written here), at tp 1 and 2. Activations stay float32 in both (the
-kernels dequantize weights only), so the two runs differ only in float32 summation
-order. The real model's Q4_1 file kept quantized (the default, quantization=auto) is
-tests/e2e/test_real_model.py's HF comparison. An AWQ checkpoint, an fp8 checkpoint and a
-GGUF file of K-quants, under quantization=auto, against their dequantized float models."""
+"""quantization=int8 / int4 / fp8 on a float checkpoint: greedy tokens equal, token for
+token, those of the same model whose linear weights were replaced by their dequantized
+values (a checkpoint written here), at tp 1 and 2. Activations stay float32 in both
+(pinned: NVLLM_QUANT_ACTIVATIONS=off, so decode steps do not take the int8-activation
+op, whose logits tests/worker/test_quant_vnni.py bounds instead), so the two runs differ
+only in float32 summation order. The real model's Q4_1 file kept quantized (the default,
+quantization=auto) is tests/e2e/test_real_model.py's HF comparison. An AWQ checkpoint,
+an fp8 checkpoint and a GGUF file of K-quants, under quantization=auto, against their
+dequantized float models."""
 
 from __future__ import annotations
 
@@ -20,13 +22,19 @@ from safetensors.torch import load_file, save_file
 from nvllm import LLM, SamplingParams
 from nvllm.worker.gguf_weights import hf_name
 from nvllm.worker.layers.fp8 import Fp8Weight, quantize_fp8
-from nvllm.worker.layers.quant import QuantizedWeight, quantize
+from nvllm.worker.layers.quant import A8_ENV, QuantizedWeight, quantize
 from nvllm.worker.quantize import AT_LOAD
 from tests.support.fp8_checkpoints import write_fp8_checkpoint
 from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
 from tests.support.int4_checkpoints import write_int4_checkpoint
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    """Token-for-token equality holds with float activations only (workers inherit it)."""
+    monkeypatch.setenv(A8_ENV, "off")
 
 MAX_TOKENS = 16
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time",

@@ -3,7 +3,8 @@ bytes freed and allocated again as the engine counts them, outputs after a level
 equal those before, a level-2 wake generates nothing until update_weights wrote every
 tensor and then equals HF on the new weights (the experts through their own loaders),
 requests that arrive asleep wait, and a request held across a sleep (keep) recomputes
-and ends as if never interrupted."""
+and ends as if never interrupted; served, an update from a trainer process's gloo group
+(the experts from broadcasts) equals HF on the new weights."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from served import serve, teardown
+from weight_ckpts import finish_trainer, free_port, group_specs, start_trainer
 
 from nvllm import LLM, AsyncClient, Client, SamplingParams
 from nvllm.common.client import ClientError
@@ -91,7 +93,7 @@ def test_sleep_in_process_then_served_at_tp2(ckpts):
         llm.shutdown()
         raise
     try:
-        _served(s.endpoint, a, b, b_dir, refs_a, refs_b)
+        _served(s.endpoint, folder, a, b, b_dir, refs_a, refs_b)
     finally:
         teardown(s)
 
@@ -133,10 +135,11 @@ def _in_process(llm: LLM, folder: str, a: dict, b: dict, refs_a: list, refs_b: l
     assert _run(llm) == refs_b
 
 
-def _served(endpoint: str, a: dict, b: dict, b_dir: str, refs_a: list, refs_b: list
-            ) -> None:
+def _served(endpoint: str, a_dir: str, a: dict, b: dict, b_dir: str, refs_a: list,
+            refs_b: list) -> None:
     """A request held across a keep-mode sleep and one that arrives asleep both finish
-    once, as if never interrupted; level 2 through Client, then B from its folder."""
+    once, as if never interrupted; level 2 through Client, then B from its folder,
+    A from a trainer's gloo group (equal to HF on A), B again over HTTP."""
     with Client(endpoint, timeout_s=60) as client:
         assert [client.generate(p, GREEDY).token_ids for p in PROMPTS] == refs_a
         held, late, woke = asyncio.run(_sleep_keep(endpoint))
@@ -156,10 +159,21 @@ def _served(endpoint: str, a: dict, b: dict, b_dir: str, refs_a: list, refs_b: l
         assert client.engine_state() == {
             "op": "state", "is_sleeping": False, "is_paused": False, "level": 0,
             "asleep": [], "weights_missing": 0, "weight_version": "B"}
-    _admin_routes(endpoint)
+        # A from a trainer process over a gloo group: the experts from broadcasts.
+        port = free_port()
+        trainer = start_trainer(port, 3, a_dir)
+        client.init_weight_update_group("127.0.0.1", port, 1, 3, backend="gloo",
+                                        timeout_s=30)
+        assert client.update_weights_from_distributed(*group_specs(a),
+                                                      weight_version="A") == "A"
+        finish_trainer(trainer, 0)
+        assert [client.generate(p, GREEDY).token_ids for p in PROMPTS] == refs_a
+    _admin_routes(endpoint, b_dir)  # back to B from its folder, over HTTP
+    with Client(endpoint, timeout_s=60) as client:
+        assert [client.generate(p, GREEDY).token_ids for p in PROMPTS] == refs_b
 
 
-def _admin_routes(endpoint: str) -> None:
+def _admin_routes(endpoint: str, b_dir: str) -> None:
     """The gateway's admin routes against the engine (their guards: test_admin.py)."""
     from fastapi.testclient import TestClient
 
@@ -167,12 +181,12 @@ def _admin_routes(endpoint: str) -> None:
 
     key = {"authorization": "Bearer k"}
     with TestClient(create_app(GatewayConfig(endpoint, "tiny", api_key="k"))) as c:
-        def call(method: str, path: str, status: int = 200) -> dict:
-            r = getattr(c, method)(path, headers=key)
+        def call(method: str, route: str, status: int = 200, **body: object) -> dict:
+            r = getattr(c, method)(route, headers=key, **({"json": body} if body else {}))
             assert r.status_code == status, r.text
             return r.json()
 
-        assert call("get", "/weight_info") == {"weight_version": "B"}
+        assert call("get", "/weight_info") == {"weight_version": "A"}
         assert call("post", "/pause?mode=keep&clear_cache=false") == {"status": "paused"}
         assert call("get", "/is_paused") == {"is_paused": True}
         assert call("post", "/resume") == {"status": "resumed"}
@@ -180,6 +194,8 @@ def _admin_routes(endpoint: str) -> None:
         assert slept["level"] == 1 and slept["kv_cache_bytes"] > 0
         assert call("get", "/is_sleeping") == {"is_sleeping": True}
         assert "already asleep" in call("post", "/sleep", 409)["error"]["message"]
+        assert "asleep" in call("post", "/update_weights_from_path", 409,
+                                path=b_dir)["error"]["message"]
         assert call("post", "/wake_up?tags=scheduling", 409)["error"]["code"] == "bad_state"
         woke = call("post", "/wake_up?tags=kv_cache&tags=weights")
         assert woke["kv_cache_bytes"] == slept["kv_cache_bytes"] and not woke["asleep"]
@@ -187,6 +203,11 @@ def _admin_routes(endpoint: str) -> None:
         call("post", "/wake_up?tags=scheduling")
         assert call("get", "/is_sleeping") == {"is_sleeping": False}
         assert call("get", "/is_paused") == {"is_paused": False}
+        assert call("post", "/update_weights_from_disk", model_path=b_dir,
+                    weight_version="B2") == {"success": True, "weight_version": "B2"}
+        assert call("get", "/weight_info") == {"weight_version": "B2"}
+        missing = call("post", "/update_weights_from_path", 400, path=b_dir + "-none")
+        assert missing["error"]["code"] == "weights_refused", missing
 
 
 async def _sleep_keep(endpoint: str) -> tuple:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 from served import serve, teardown
 from weight_ckpts import PROMPTS, _run, ckpts, hf_refs  # noqa: F401 (a fixture)
+from weight_ckpts import finish_trainer as _finish
+from weight_ckpts import free_port as _port
+from weight_ckpts import group_specs as _specs
+from weight_ckpts import start_trainer as _trainer
 
 from nvllm import LLM, AsyncClient, Client
 from nvllm.common.weight_transfer import WeightUpdateError
@@ -25,34 +27,6 @@ pytestmark = pytest.mark.e2e
 
 SUPPORT = pathlib.Path(__file__).parents[1] / "support"
 FAKE_CUPY = SUPPORT / "fake_cupy"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _trainer(port: int, world: int, *folders) -> subprocess.Popen:
-    """The trainer, rank 0 of the group, in a process of its own (group_trainer.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.Popen([sys.executable, str(SUPPORT / "group_trainer.py"), str(port),
-                             str(world), *map(str, folders)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _specs(state: dict[str, torch.Tensor]) -> tuple[list, list, list]:
-    names = sorted(state)  # the trainer's broadcast order
-    return names, [str(state[n].dtype).removeprefix("torch.") for n in names], \
-        [list(state[n].shape) for n in names]
-
-
-def _finish(proc: subprocess.Popen, code: int) -> None:
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == code, err[-2000:]
 
 
 def test_group_and_path_updates_at_tp1(ckpts, tiny):  # noqa: F811

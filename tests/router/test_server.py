@@ -182,6 +182,64 @@ def test_a_request_that_cannot_be_replayed_ends_with_one_error_saying_why(
     assert (r.router.replayed, r.router.failed_by_replica_loss) == ({}, {first: 1})
 
 
+def test_rl_control_messages_reach_every_replica_and_answer_once(stalling, router):
+    """pause, sleep, wake_up, state, an update from a path and one from shared memory, and
+    resume: each reaches both replicas, and the client gets one answer for the set."""
+    import torch
+
+    r = router([leader.endpoint for leader in stalling])
+    with Client(r.endpoint, timeout_s=10) as c:
+        c.pause_generation("keep")
+        assert c.engine_state()["is_paused"]
+        slept = c.sleep(level=1)
+        assert (slept.weights_bytes, slept.kv_cache_bytes) == (200, 20)
+        assert c.wake_up().asleep == []
+        assert c.update_weights_from_path("/ckpt/b", weight_version="b") == "b"
+        assert c.update_weights({"w": torch.ones(2, 3)}, weight_version="c") == "c"
+        c.resume_generation()
+        assert not c.engine_state()["is_paused"]
+    for leader in stalling:
+        ops = [m["op"] for m in leader.controls]
+        assert ops == ["pause", "state", "sleep", "wake_up", "weights_from_path",
+                       "weights_chunk", "weights_commit", "resume", "state"], ops
+        assert leader.controls[4]["path"] == "/ckpt/b"
+    assert all(not lk.pending or set(lk.pending) <= {"health", "info"}
+               for lk in r.router.links)
+
+
+def test_a_replica_refusing_is_named_and_the_others_said(stalling, router):
+    from nvllm.common.client import ClientError
+
+    r = router([leader.endpoint for leader in stalling])
+    stalling[1].refuse = "the weights are asleep: wake_up first"
+    with Client(r.endpoint, timeout_s=10) as c:
+        with pytest.raises(ClientError, match=r"bad_state.*replica 1: the weights are "
+                                              r"asleep.*replicas \[0\] did weights_from"):
+            c.update_weights_from_path("/ckpt/b")
+        stalling[1].muted = True  # it stops answering, then its connection closes
+        with RawClient(r.endpoint, timeout_s=10) as raw:
+            raw.send_map({"op": "resume"})
+            wait_for(lambda: stalling[1].controls[-1]["op"] == "resume")
+            stalling[1].die()
+            msg = raw.recv_map(time.monotonic() + 10)
+        assert msg["code"] == "engine_unavailable" and "replica 1: its connection " \
+            "closed" in msg["message"], msg
+
+
+def test_process_group_messages_are_refused_with_where_to_send_them(stalling, router):
+    from nvllm.common.client import ClientError
+
+    r = router([leader.endpoint for leader in stalling])
+    with Client(r.endpoint, timeout_s=10) as c:
+        with pytest.raises(ClientError, match="bad_op.*each replica's leader"):
+            c.init_weight_update_group("127.0.0.1", 29500, 1, 2)
+        with pytest.raises(ClientError, match="bad_op.*each replica's leader"):
+            c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]])
+    # (the client's best-effort weights_abort after the refusal is relayed: harmless)
+    assert not [m for leader in stalling for m in leader.controls
+                if m["op"] in ("init_weight_update_group", "weights_from_distributed")]
+
+
 def test_with_curve_keys_a_replica_admits_the_router_and_refuses_unkeyed_clients(
         tmp_path, router):
     from nvllm.common.zmq_utils import generate_keys

@@ -18,6 +18,7 @@ class FakeLeader:
 
         self.model_path = model_path
         self.submits: list[dict] = []
+        self.controls: list[dict] = []  # weights_from_path, init_weight_update_group
         self.ready = True  # health: False answers not ready, with a reason naming the path
         self.script: list[str] | None = None
         self.error: tuple[str, str] | None = None
@@ -57,6 +58,11 @@ class FakeLeader:
                 send(peer, {"op": "metrics", "text": "fake_leader_up 1\n"})
             elif op == "ping":
                 send(peer, {"op": "pong"})
+            elif op in ("weights_from_path", "init_weight_update_group"):
+                self.controls.append(msg)
+                send(peer, {"op": "error", "id": None, "code": self.error[0],
+                            "message": self.error[1]} if self.error is not None else
+                     {"op": op, "weight_version": msg.get("weight_version") or 1})
             elif op == "submit":
                 self.submits.append(msg)
                 p = msg["params"]
@@ -107,6 +113,8 @@ class StallingLeader:
         self.submits: list[dict] = []
         self.aborts: list = []
         self.muted = False  # reads, records and answers nothing (a stalled leader)
+        self.controls: list[dict] = []  # the RL control messages (_control_answer)
+        self.refuse: str | None = None  # each control message: a bad_state error saying it
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -137,6 +145,11 @@ class StallingLeader:
                 elif msg["op"] == "abort":
                     self.aborts.append(msg["id"])
                     reply = output(msg["id"], "abort")
+                elif msg["op"] in _CONTROL_OPS:
+                    self.controls.append(msg)
+                    reply = _control_answer(msg, self.controls) if self.refuse is None else {
+                        "op": "error", "id": None, "code": "bad_state",
+                        "message": self.refuse}
                 if reply is not None and not self.muted:
                     self.sock.send_multipart([peer, msgpack.packb(reply)])
             self.sock.close(0)
@@ -148,3 +161,28 @@ class StallingLeader:
     def die(self) -> None:
         self.stop.set()
         self.thread.join(10)
+
+
+_CONTROL_OPS = ("pause", "resume", "sleep", "wake_up", "state", "weights_from_path",
+                "weights_chunk", "weights_commit", "weights_abort", "init_weight_update_group",
+                "weights_from_distributed")
+
+
+def _control_answer(msg: dict, seen: list[dict]) -> dict:
+    """A leader's answer to an RL control message: a sleep report of 100 weight and 10
+    KV bytes, a state paused after a pause, a commit with the version given (else 1)."""
+    op = msg["op"]
+    report = {"level": msg.get("level", 1), "asleep": ["kv_cache", "weights"],
+              "weights_bytes": 100, "kv_cache_bytes": 10, "device_bytes": 0,
+              "rss_bytes": 0, "weights_missing": 0}
+    ops = [m["op"] for m in seen if m["op"] in ("pause", "resume")]
+    return {"pause": {"op": op, "mode": msg.get("mode", "abort")},
+            "sleep": {"op": op, **report}, "wake_up": {"op": op, **report, "asleep": []},
+            "state": {"op": op, "is_sleeping": False, "is_paused": ops[-1:] == ["pause"],
+                      "level": 0, "asleep": [], "weights_missing": 0,
+                      "weight_version": None},
+            "weights_chunk": {"op": op, "chunk": msg.get("chunk")},
+            "weights_commit": {"op": op, "weight_version": msg.get("weight_version") or 1},
+            "weights_from_path": {"op": op,
+                                  "weight_version": msg.get("weight_version") or 1},
+            }.get(op, {"op": op})

@@ -5,6 +5,11 @@ tests/e2e/test_weight_sources.py)."""
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,9 +55,20 @@ def _hf(folder: str):
 @torch.no_grad()
 def hf_greedy(folder: str, state: dict[str, torch.Tensor], prompt: list[int],
               max_tokens: int = MAX_TOKENS) -> list[int]:
-    """HF greedy tokens on `folder`'s architecture holding `state`."""
+    """HF greedy tokens on `folder`'s architecture holding `state`. Every name of `state`
+    must land in the model, and every model tensor but a tied lm_head must come from it:
+    HF fuses some checkpoint tensors on load (transformers 5's per-expert MoE weights),
+    and load_state_dict(strict=False) would skip those names silently, leaving the
+    folder's weights in place; such a reference must load B's folder instead."""
     model = _hf(folder)
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings \
+        else set()
+    if unexpected or set(missing) - tied:
+        raise AssertionError(
+            f"HF's {type(model).__name__} does not take these tensors by name (missing "
+            f"{sorted(set(missing) - tied)[:4]}, unexpected {sorted(unexpected)[:4]}): "
+            "build the reference with from_pretrained on a folder holding them")
     gen = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
                          min_new_tokens=max_tokens, pad_token_id=0)
     return gen[0, len(prompt):].tolist()
@@ -72,8 +88,6 @@ def hf_refs(folder: str, label: str, state: dict[str, torch.Tensor]) -> list[lis
     if label not in _REFS:
         _REFS[label] = [hf_greedy(folder, state, p) for p in PROMPTS]
     return _REFS[label]
-
-
 
 
 def tensors_of(folder) -> dict[str, torch.Tensor]:
@@ -103,3 +117,36 @@ def held_params(runner) -> dict[str, torch.Tensor]:
         else:
             out[name] = p.detach().clone()
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_trainer(port: int, world: int, *folders) -> subprocess.Popen:
+    """The trainer, rank 0 of a weight-update group, in a process of its own
+    (group_trainer.py: it broadcasts the first folder's tensors in sorted name order)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    script = pathlib.Path(__file__).parent / "group_trainer.py"
+    return subprocess.Popen([sys.executable, str(script), str(port), str(world),
+                             *map(str, folders)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def group_specs(state: dict[str, torch.Tensor]) -> tuple[list, list, list]:
+    """update_weights_from_distributed's names, dtypes and shapes, in the trainer's
+    broadcast order."""
+    names = sorted(state)
+    return names, [str(state[n].dtype).removeprefix("torch.") for n in names], \
+        [list(state[n].shape) for n in names]
+
+
+def finish_trainer(proc: subprocess.Popen, code: int) -> None:
+    """Wait for the trainer (60 s at most) and check its exit status."""
+    try:
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err[-2000:]

@@ -63,3 +63,33 @@ def test_user_malloc_variables_win():
     env = clean_env()
     env["MALLOC_TRIM_THRESHOLD_"] = str(1 << 20)
     assert probe(env)["applied"] is False
+
+
+TRIM_PROBE = """
+import ctypes, json
+from nvllm.worker.cpu_malloc import keep_freed_memory, rss_bytes, trim_after_load
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+keep_freed_memory()
+# A load-time transient: 64 MiB in 1 MiB blocks (under the raised mmap threshold, so
+# the heap serves them), touched, then freed: the heap keeps the pages.
+blocks = [libc.malloc(1 << 20) for _ in range(64)]
+for b in blocks:
+    ctypes.memset(b, 1, 1 << 20)
+for b in reversed(blocks):
+    libc.free(b)
+kept = rss_bytes()
+released = trim_after_load(0)
+print(json.dumps({"kept": kept, "released": released, "after": rss_bytes()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_trim_after_load_returns_the_loads_free_heap():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True,
+                         text=True, timeout=60, env=clean_env(), check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["released"] > 48 << 20, got  # most of the 64 MiB goes back to the OS
+    assert got["after"] < got["kept"] - (48 << 20)

@@ -20,6 +20,7 @@
 #endif
 
 #include "bf16.h"
+#include "quant_args.h"
 
 namespace {
 
@@ -185,19 +186,11 @@ template <int BITS, bool MIN, typename T, typename MT>
 void dispatch_rows(T* out, const float* x, int64_t M, int64_t K, int64_t N,
                    const uint8_t* qw, const c10::Half* s, const MT* m) {
   for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-    const int64_t R = std::min(kMaxRows, M - r0);
     T* o = out + r0 * N;
     const float* xr = x + r0 * K;
-    switch (R) {
-      case 1: rows_pass<BITS, MIN, 1, T, MT>(o, xr, K, N, qw, s, m); break;
-      case 2: rows_pass<BITS, MIN, 2, T, MT>(o, xr, K, N, qw, s, m); break;
-      case 3: rows_pass<BITS, MIN, 3, T, MT>(o, xr, K, N, qw, s, m); break;
-      case 4: rows_pass<BITS, MIN, 4, T, MT>(o, xr, K, N, qw, s, m); break;
-      case 5: rows_pass<BITS, MIN, 5, T, MT>(o, xr, K, N, qw, s, m); break;
-      case 6: rows_pass<BITS, MIN, 6, T, MT>(o, xr, K, N, qw, s, m); break;
-      case 7: rows_pass<BITS, MIN, 7, T, MT>(o, xr, K, N, qw, s, m); break;
-      default: rows_pass<BITS, MIN, 8, T, MT>(o, xr, K, N, qw, s, m); break;
-    }
+    nvllm_cpu::with_rows(std::min(kMaxRows, M - r0), [&](auto R) {
+      rows_pass<BITS, MIN, decltype(R)::value, T, MT>(o, xr, K, N, qw, s, m);
+    });
   }
 }
 
@@ -218,21 +211,10 @@ void run(T* out, const float* x, int64_t M, int64_t K, int64_t N, const uint8_t*
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                   const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                   int64_t bits) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) == (bits == 8 ? K : K / 2),
-              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.size(0) == N && scales.size(1) == K / kGroup,
-              "scales: contiguous fp16 [N, K / 32]");
-  if (mins.has_value()) {
-    TORCH_CHECK((mins->scalar_type() == at::kHalf || mins->scalar_type() == at::kFloat) &&
-                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "mins: fp16 or float32, shaped like scales");
-  }
+  nvllm_cpu::check_quant_weight(qweight, scales, mins, bits, N, K);
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
   const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
@@ -247,28 +229,15 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
       run(reinterpret_cast<uint16_t*>(out.data_ptr()), xf.data(), M, K, N, qw, s, m, bits);
     }
   };
-  if (mins.has_value() && mins->scalar_type() == at::kFloat) go(mins->data_ptr<float>());
-  else go(mins.has_value() ? mins->data_ptr<c10::Half>() : static_cast<c10::Half*>(nullptr));
+  nvllm_cpu::with_mins(mins, go);
 }
 
 // out [N, K] (float32 or bfloat16, contiguous): the weight's values.
 void quant_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& mins, int64_t bits) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous [N, K]");
   const int64_t N = out.size(0), K = out.size(1);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(qweight.is_contiguous() && qweight.size(0) == N &&
-                  qweight.size(1) == (bits == 8 ? K : K / 2),
-              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.size(0) == N && scales.size(1) == K / kGroup,
-              "scales: contiguous fp16 [N, K / 32]");
-  if (mins.has_value()) {
-    TORCH_CHECK((mins->scalar_type() == at::kHalf || mins->scalar_type() == at::kFloat) &&
-                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "mins: fp16 or float32, shaped like scales");
-  }
+  nvllm_cpu::check_quant_weight(qweight, scales, mins, bits, N, K);
   const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   auto go = [&](auto* o, auto* m) {
@@ -290,8 +259,7 @@ void quant_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tenso
       go(reinterpret_cast<uint16_t*>(out.data_ptr()), m);
     }
   };
-  if (mins.has_value() && mins->scalar_type() == at::kFloat) with_out(mins->data_ptr<float>());
-  else with_out(mins.has_value() ? mins->data_ptr<c10::Half>() : static_cast<c10::Half*>(nullptr));
+  nvllm_cpu::with_mins(mins, with_out);
 }
 
 }  // namespace

@@ -17,9 +17,12 @@ scale * (q - z) is ``int4+min32`` exactly (nvllm/worker/awq_gptq.py); GGUF's K-q
 repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
 ``QuantizedWeight.matmul`` is x W^T: on CUDA the Triton W4A16 / W8A16 GEMM
-(``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU nvllm's
-native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32 accumulation)
-for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
+(``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU, up to
+``a8_rows`` rows (decode), x quantized to int8 per group of 32 and integer dot products
+(``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI: llama.cpp's Q8 activations; results move
+by x's rounding, at most half its step per value; opt-in, NVLLM_QUANT_ACTIVATIONS);
+else nvllm's native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32
+accumulation) for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
 (one native pass, or the torch reference ``dequantize`` without the native ops) and
 ``torch.mm``. ``quantize`` is round-to-nearest per group (asymmetric, over the group's
 range, in the ``+min`` formats), for float checkpoints quantized at load.
@@ -33,6 +36,14 @@ tile path wins from ~8 rows with bfloat16 activations (bfloat16 GEMM: 3072 x 576
 rows 0.62 ms against 1.08) and from ~16-32 with float32 (0.95 vs 1.04 ms at 16 rows, 1.94
 vs 1.77 at 32): hence ``NATIVE_MAX_ROWS`` per dtype.
 
+The int8-activation op against the native one (``--decode --threads 1``, same
+machine, heavily shared, minimum of 5; SmolLM2's shapes, float32 x): at one row int4+min
+1.4-2.1x faster (3072 x 576: 79 against 150 us; the per-layer linears 211 against 393
+us), int4 1.9-3.8x, int8 1.2-1.5x; at 8 rows int4+min 1.8-2.7x, int4 1.3-1.8x, int8
+1.0-1.4x; at 4 rows int4 0.94-1.6x and int8 0.8-1.0x (the native op's 4-row pass is its
+best). Hence ``A8_MAX_ROWS``: 8 rows for int4 formats, 2 for int8 (scripts/
+bench_quant_linear.py --decode prints the speed-ups per shape and row count).
+
 torch's own weight-only ops do not fit GGUF's blocks exactly: ``_weight_int8pack_mm`` has
 one scale per output channel (Q8_0 has one per 32 values), and
 ``_weight_int4pack_mm_for_cpu`` takes its scales and zero points in the activations'
@@ -45,6 +56,7 @@ row: int4 3.1 ms, int8 1.5 ms), so neither is used.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +66,17 @@ GROUP = 32
 # Up to this many rows of x (by its dtype), the native op; beyond, dequantized tiles and
 # torch.mm (the crossovers measured above).
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
+# Up to this many rows of x (by the weight's bits), the int8-activation op
+# (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI: see a8_rows.
+A8_MAX_ROWS = {4: 8, 8: 2}
+# NVLLM_QUANT_ACTIVATIONS: "off" (the default: activations stay in the run dtype, results
+# equal dequantize-then-matmul up to float32 summation order), "auto" (the int8-activation
+# op up to A8_MAX_ROWS rows, where it is vectorized), "always" (every row count, for
+# measuring its quality teacher-forced; slow on long prompts). Off by default: on the real
+# model it changes greedy output beyond the near-tie rule (docs/quantization.md, CPU
+# kernels) and its end-to-end gain is not yet measured on a quiet machine.
+A8_ENV = "NVLLM_QUANT_ACTIVATIONS"
+A8_MODES = ("auto", "off", "always")
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
 TILE_ROWS = 4096
 
@@ -147,6 +170,11 @@ class QuantizedWeight:
 
             out = triton_quant.quant_matmul(x2, self.qweight, self.scales, self.mins,
                                             self.fmt.bits)
+        elif native and x2.shape[0] <= a8_rows(self.fmt):
+            from nvllm.kernels import cpu_ops
+
+            out = cpu_ops.quant_linear_a8(x2, self.qweight, self.scales, self.mins,
+                                          self.fmt.bits)
         elif native and x2.shape[0] <= NATIVE_MAX_ROWS[x2.dtype]:
             from nvllm.kernels import cpu_ops
 
@@ -178,6 +206,30 @@ class QuantizedWeight:
 
 _NATIVE: list[bool] = []
 _TRITON: list[bool] = []
+_A8: list[str] = []  # the mode in effect, once asked ("off" where not vectorized)
+
+
+def a8_rows(fmt: QuantFormat) -> int:
+    """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 and takes the
+    VNNI op (0: never). The rule: under ``NVLLM_QUANT_ACTIVATIONS=auto``, where it was
+    measured faster than the float op (A8_MAX_ROWS, docs/quantization.md's table) and
+    built with AVX-512 VNNI (its portable loop is slower than the float op); never under
+    ``off``, the default (float activations: dequantize-then-matmul, what the
+    greedy-equality tests rely on); any row count under ``always``. Read once per
+    process."""
+    if not _A8:
+        mode = os.environ.get(A8_ENV, "off")
+        if mode not in A8_MODES:
+            raise ValueError(f"{A8_ENV}={mode!r}; expected one of {', '.join(A8_MODES)}")
+        if mode != "off":
+            from nvllm.kernels import cpu_ops
+
+            if not (_native() and cpu_ops.quant_a8_vectorized()):
+                mode = "off" if mode == "auto" else mode
+        _A8.append(mode)
+    if _A8[0] == "always":
+        return 1 << 62
+    return A8_MAX_ROWS.get(fmt.bits, 0) if _A8[0] == "auto" else 0
 
 
 def triton_usable(x: torch.Tensor) -> bool:

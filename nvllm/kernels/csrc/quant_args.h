@@ -1,0 +1,61 @@
+// What the grouped-quantized-weight ops (cpu_quant_linear.cpp, cpu_quant_vnni.cpp) check
+// and dispatch on alike: the layout of nvllm/worker/layers/quant.py (int8 [N, K] or int4
+// [N, K / 2] values, fp16 scales [N, K / 32], mins fp16 or float32 shaped like them) and
+// the rows of x per pass as a compile-time count.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace nvllm_cpu {
+
+constexpr int64_t kQuantGroup = 32;
+
+// qweight, scales and mins hold an [N, K] weight in `bits`.
+inline void check_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& mins, int64_t bits, int64_t N,
+                               int64_t K) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(K % kQuantGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(0) == N &&
+                  qweight.size(1) == (bits == 8 ? K : K / 2),
+              "qweight: contiguous [N, K] (int8) or [N, K / 2] (int4)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.size(0) == N && scales.size(1) == K / kQuantGroup,
+              "scales: contiguous fp16 [N, K / 32]");
+  if (mins.has_value()) {
+    TORCH_CHECK((mins->scalar_type() == at::kHalf || mins->scalar_type() == at::kFloat) &&
+                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "mins: fp16 or float32, shaped like scales");
+  }
+}
+
+// f(mins pointer): const float* for float32 mins, else const c10::Half* (nullptr: none).
+template <typename F>
+void with_mins(const c10::optional<at::Tensor>& mins, F&& f) {
+  if (mins.has_value() && mins->scalar_type() == at::kFloat) {
+    f(static_cast<const float*>(mins->data_ptr<float>()));
+  } else {
+    f(static_cast<const c10::Half*>(mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr));
+  }
+}
+
+// f(std::integral_constant<int, R>{}) for R = rows (1..8; more: 8).
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+}  // namespace nvllm_cpu
