@@ -100,6 +100,21 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
               type=click.IntRange(min=1),
               help="Engine replicas, each a leader with its own --tp workers, behind one "
                    "router on the client endpoint (docs/data-parallel.md); 1: no router.")
+@click.option("--data-parallel-size-local", "-dpl", "data_parallel_size_local", default=None,
+              type=click.IntRange(min=1),
+              help="Replicas on this node (default: --data-parallel-size, all here); "
+                   "fewer: the others run on other nodes (docs/data-parallel.md).")
+@click.option("--data-parallel-start-rank", "-dpr", "data_parallel_start_rank", default=0,
+              type=click.IntRange(min=0),
+              help="The first replica this node runs; 0: the head node, which runs the "
+                   "router.")
+@click.option("--data-parallel-address", "-dpa", "data_parallel_address",
+              default="127.0.0.1",
+              help="The head node's address, where the other nodes register their "
+                   "replicas (with --curve-key-dir beyond loopback).")
+@click.option("--data-parallel-rpc-port", "-dpp", "data_parallel_rpc_port", default=0,
+              type=click.IntRange(min=0),
+              help="The head node's registration port (needed with several nodes).")
 @click.option("--router-policy", default="cache_aware",
               type=click.Choice(["cache_aware", "least_load", "round_robin"]),
               help="With --data-parallel-size > 1: how the router picks a replica.")
@@ -129,6 +144,8 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
            node_rank: int,
            nproc_per_node: int | None, master_addr: str, master_port: int, leader_only: bool,
            curve_key_dir: str | None, max_frame_bytes: int, data_parallel_size: int,
+           data_parallel_size_local: int | None, data_parallel_start_rank: int,
+           data_parallel_address: str, data_parallel_rpc_port: int,
            router_policy: str, router_cache_threshold: float,
            router_balance_abs_threshold: int, router_balance_rel_threshold: float,
            prompts: tuple[str, ...], demo: bool, max_tokens: int, temperature: float,
@@ -156,6 +173,9 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         raise SystemExit(run_worker_node(dist, node_rank, resolve_model(model) if model else None))
     if model is None:
         raise click.UsageError("--model is required (on node rank 0)")
+    placement = _placement(data_parallel_size, data_parallel_size_local,
+                           data_parallel_start_rank, data_parallel_address,
+                           data_parallel_rpc_port, curve_key_dir)
     _check_access(host, http_host if http_port is not None else None, api_key, curve_key_dir,
                   dist)
     http_options = {"max_body_bytes": http_max_body_bytes,
@@ -166,13 +186,18 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         from nvllm.launch.data_parallel import DataParallelOptions, run_data_parallel
 
         if prompts or demo or nnodes > 1 or leader_only:
-            raise click.UsageError("--data-parallel-size > 1 serves clients on one node: "
-                                   "not with --prompt, --demo, --nnodes or --leader-only")
+            raise click.UsageError("--data-parallel-size > 1 serves clients through its "
+                                   "router: not with --prompt, --demo, --nnodes or "
+                                   "--leader-only (--data-parallel-size-local places "
+                                   "replicas on several nodes)")
+        name = "nvllm-dp-launch" if placement.head else \
+            f"nvllm-dp-node-{placement.start_rank}"
         logging.basicConfig(level=log_level,
-                            format="%(asctime)s nvllm-dp-launch %(levelname)s %(message)s")
-        set_process_title("nvllm-dp-launch")
+                            format=f"%(asctime)s {name} %(levelname)s %(message)s")
+        set_process_title(name)
         dp = DataParallelOptions(data_parallel_size, router_policy, router_cache_threshold,
-                                 router_balance_abs_threshold, router_balance_rel_threshold)
+                                 router_balance_abs_threshold, router_balance_rel_threshold,
+                                 placement)
         gateway = None if http_port is None else dict(
             host=http_host, port=http_port, model_name=served_model_name, api_key=api_key,
             curve_key_dir=curve_key_dir, **http_options)
@@ -211,6 +236,23 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
                    shutdown_timeout, http_options)
     finally:
         engine.shutdown()
+
+
+def _placement(size: int, local: int | None, start_rank: int, address: str, rpc_port: int,
+               curve_key_dir: str | None):
+    """This node's share of the data-parallel replicas, checked before anything starts."""
+    from nvllm.common.zmq_utils import check_curve_bind
+    from nvllm.launch.dp_nodes import Placement
+
+    place = Placement(size, local or size - start_rank, start_rank, address, rpc_port)
+    try:
+        place.check()
+        if place.local < place.size:  # the head binds it; the others' replicas bind beside
+            check_curve_bind(address, curve_key_dir,
+                             "data-parallel replicas across nodes (--data-parallel-address)")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return place
 
 
 def _serve(engine, host: str, port: int, served_model_name: str | None,

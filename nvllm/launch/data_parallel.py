@@ -33,6 +33,7 @@ from nvllm.common.client import LINK_GRACE_S
 from nvllm.common.proc import stop_on_signals
 from nvllm.common.shm_segments import sweep_orphan_segments
 from nvllm.common.zmq_utils import private_ipc_dir
+from nvllm.launch.dp_nodes import Placement
 from nvllm.launch.supervisor import STOP_TIMEOUT_S, Start, Supervisor, stop_processes
 
 logger = logging.getLogger(__name__)
@@ -53,22 +54,26 @@ class DataParallelOptions:
     cache_threshold: float
     balance_abs_threshold: int
     balance_rel_threshold: float
+    placement: Placement | None = None  # None: every replica on this host
 
 
 def start_replica(index: int, model: str, engine_kwargs: dict[str, Any], folder: str,
                   served_model_name: str | None, max_frame_bytes: int,
-                  shutdown_timeout: float, log_level: str, port: int = 0
-                  ) -> tuple[subprocess.Popen, str]:
-    """One replica's leader process (serving on loopback `port`, 0: one it picks);
-    returns it and the file its endpoint will be in."""
+                  shutdown_timeout: float, log_level: str, port: int = 0, *,
+                  host: str = "127.0.0.1", curve_key_dir: str | None = None,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """One replica's leader process (serving on host:`port`, 0: a port it picks; keyed
+    with `curve_key_dir`, so only the router and keyed clients get in); returns it and
+    the file its endpoint will be in; `env`: its own variables (its devices)."""
     endpoint_file = os.path.join(folder, f"replica-{index}.endpoint")
     if os.path.exists(endpoint_file):  # a dead predecessor's
         os.unlink(endpoint_file)
     spec = {"role": "replica", "index": index, "model": model, "engine_kwargs": engine_kwargs,
             "endpoint_file": endpoint_file, "served_model_name": served_model_name,
             "max_frame_bytes": max_frame_bytes, "shutdown_timeout": shutdown_timeout,
-            "log_level": log_level, "parent_pid": os.getpid(), "port": port}
-    return _spawn(spec), endpoint_file
+            "log_level": log_level, "parent_pid": os.getpid(), "port": port,
+            "host": host, "curve_key_dir": curve_key_dir}
+    return _spawn(spec, env), endpoint_file
 
 
 def start_router(endpoints: list[str], config: Any, folder: str, host: str, port: int,
@@ -87,8 +92,31 @@ def start_router(endpoints: list[str], config: Any, folder: str, host: str, port
     return _spawn(spec), endpoint_file
 
 
-def _spawn(spec: dict[str, Any]) -> subprocess.Popen:
-    env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
+def replica_devices(slot: int, tp: int, visible: str | None, count: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the `slot`-th replica on this node: its own `tp` devices
+    of the `count` this launch sees (`visible`: CUDA_VISIBLE_DEVICES, None: all), so that
+    each replica's worker i (which uses cuda:i) lands on a device no other replica uses.
+    None when there are too few: replicas then share devices (small models fit), with a
+    warning."""
+    ids = visible.split(",") if visible else [str(i) for i in range(count)]
+    if len(ids) < (slot + 1) * tp:
+        logger.warning("replica slot %d with --tp %d needs %d devices, %d visible: it "
+                       "shares devices with other replicas", slot, tp, (slot + 1) * tp,
+                       len(ids))
+        return None
+    return ",".join(ids[slot * tp:(slot + 1) * tp])
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def _spawn(spec: dict[str, Any], extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, **(extra or {}), **{SPEC_ENV: json.dumps(spec)})
     return subprocess.Popen([sys.executable, "-m", "nvllm.launch.data_parallel"], env=env,
                             stdin=subprocess.DEVNULL)
 
@@ -122,62 +150,70 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
                       curve_key_dir: str | None, max_frame_bytes: int,
                       shutdown_timeout: float, log_level: str,
                       gateway: dict[str, Any] | None) -> None:
-    """Start the replicas, then the router on host:port (and the HTTP gateway on the
-    router when `gateway` holds start_gateway_process's arguments); keep them up until a
-    signal."""
+    """Start this node's replicas; on the head node (start rank 0) also the router on
+    host:port, once the other nodes' replicas registered (nvllm/launch/dp_nodes.py), and
+    the HTTP gateway on the router when `gateway` holds start_gateway_process's
+    arguments; keep them up until a signal."""
     from nvllm.common.config import EngineConfig
-    from nvllm.router.policy import CacheAwareConfig
-    from nvllm.router.server import RouterConfig
+    from nvllm.launch.dp_nodes import collect_endpoints, local_address, register_endpoints
 
     defaults = EngineConfig(model=model, **engine_kwargs)  # checks the options once, here
+    place = dp.placement or Placement(dp.size, dp.size, 0, "127.0.0.1", 0)
+    # The head's replicas serve its router on loopback; another node's, the head's router.
+    replica_host = "127.0.0.1" if place.head else local_address(place.address)
     folder = private_ipc_dir("nvllm-dp-")
     replicas: list[tuple[subprocess.Popen, str]] = []
     router: tuple[subprocess.Popen, str] | None = None
     gateway_proc = supervisor = None
     stop = threading.Event()
-    config = RouterConfig(
-        policy=dp.router_policy,
-        cache_aware=CacheAwareConfig(dp.cache_threshold, dp.balance_abs_threshold,
-                                     dp.balance_rel_threshold),
-        client_timeout_s=defaults.client_timeout_s,
-        max_request_id_bytes=defaults.max_request_id_bytes,
-        max_client_outbox=defaults.max_client_outbox,
-        max_client_frames_per_step=defaults.max_client_frames_per_step)
 
-    def replica(index: int) -> Start:
+    gpus = _cuda_devices() if defaults.device != "cpu" else 0
+
+    def replica(rank: int) -> Start:
+        env = None  # on GPUs: each replica its own devices of this node's
+        devices = gpus and replica_devices(rank - place.start_rank,
+                                           defaults.tensor_parallel_size,
+                                           os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
+        if devices:
+            env = {"CUDA_VISIBLE_DEVICES": devices}
         return lambda replica_port: start_replica(
-            index, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
-            shutdown_timeout, log_level, replica_port)
+            rank, model, engine_kwargs, folder, served_model_name, max_frame_bytes,
+            shutdown_timeout, log_level, replica_port, host=replica_host,
+            curve_key_dir=curve_key_dir, env=env)
 
     try:
-        replicas = [replica(i)(0) for i in range(dp.size)]
+        replicas = [replica(r)(0) for r in place.ranks]
         start_timeout_s = defaults.worker_start_timeout_s + 60
-        endpoints = wait_for_endpoints(replicas, start_timeout_s)
+        local = wait_for_endpoints(replicas, start_timeout_s)
         # Records each replica's processes (its leader, its workers: started by now),
         # whose segments the launcher removes if they die without doing so.
         supervisor = Supervisor(start_timeout_s)
-        for i, ((proc, _), ep) in enumerate(zip(replicas, endpoints)):
-            supervisor.add(f"replica {i}", proc, ep, replica(i), sweep_segments=True)
+        for r, (proc, _), ep in zip(place.ranks, replicas, local):
+            supervisor.add(f"replica {r}", proc, ep, replica(r), sweep_segments=True)
+        endpoints = dict(zip(place.ranks, local))
+        if not place.head:
+            register_endpoints(place, endpoints, curve_key_dir, start_timeout_s)
+            click.echo(f"data parallel: replicas {list(place.ranks)} (pids "
+                       f"{[p.pid for p, _ in replicas]}) at {local}, registered with "
+                       f"{place.address}:{place.rpc_port}; Ctrl-C to stop")
+        else:
+            if place.local < place.size:
+                endpoints.update(collect_endpoints(place, curve_key_dir, start_timeout_s))
+            router = _start_router_child(dp, defaults, [endpoints[r] for r in
+                                                        range(place.size)],
+                                         folder, host, port, curve_key_dir,
+                                         max_frame_bytes, shutdown_timeout, log_level,
+                                         supervisor)
+            click.echo(f"data parallel: {dp.size} replicas (pids "
+                       f"{[p.pid for p, _ in replicas]}) at "
+                       f"{[endpoints[r] for r in range(place.size)]}, router policy "
+                       f"{dp.router_policy} (router pid {router[0].pid})")
+            if gateway is not None:
+                from nvllm.launch.openai.cli import start_gateway_process
 
-        def start_the_router(router_port: int) -> tuple[subprocess.Popen, str]:
-            return start_router(endpoints, config, folder, host, router_port,
-                                curve_key_dir, max_frame_bytes, shutdown_timeout,
-                                log_level)
-
-        router = start_the_router(port)
-        (endpoint,) = wait_for_endpoints([router], 60, "router")
-        supervisor.add("router", router[0], endpoint, start_the_router,
-                       min_delay_s=ROUTER_RESTART_DELAY_S)
-        click.echo(f"serving on {endpoint}; Ctrl-C to stop")
-        click.echo(f"data parallel: {dp.size} replicas (pids "
-                   f"{[p.pid for p, _ in replicas]}) at {endpoints}, router policy "
-                   f"{dp.router_policy} (router pid {router[0].pid})")
-        if gateway is not None:
-            from nvllm.launch.openai.cli import start_gateway_process
-
-            gateway_proc = start_gateway_process(endpoint, **gateway)
-            click.echo(f"OpenAI-compatible HTTP gateway on http://{gateway['host']}:"
-                       f"{gateway['port']}/v1 (pid {gateway_proc.pid})")
+                gateway_proc = start_gateway_process(router[1], **gateway)
+                click.echo(f"OpenAI-compatible HTTP gateway on http://{gateway['host']}:"
+                           f"{gateway['port']}/v1 (pid {gateway_proc.pid})")
         stop_on_signals(stop)  # (before this, a signal interrupts the start-up)
         supervisor.run(stop)
     finally:
@@ -194,6 +230,40 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
             sweep_orphan_segments(supervisor.owners())
         shutil.rmtree(folder, ignore_errors=True)
         click.echo("shutting down")
+
+
+def _start_router_child(dp: DataParallelOptions, defaults: Any, endpoints: list[str],
+                        folder: str, host: str, port: int, curve_key_dir: str | None,
+                        max_frame_bytes: int, shutdown_timeout: float, log_level: str,
+                        supervisor: Supervisor) -> tuple[subprocess.Popen, str]:
+    """The router on host:port, supervised; returns its process and endpoint once it
+    serves (it printed "serving on")."""
+    from nvllm.router.policy import CacheAwareConfig
+    from nvllm.router.server import RouterConfig
+
+    config = RouterConfig(
+        policy=dp.router_policy,
+        cache_aware=CacheAwareConfig(dp.cache_threshold, dp.balance_abs_threshold,
+                                     dp.balance_rel_threshold),
+        client_timeout_s=defaults.client_timeout_s,
+        max_request_id_bytes=defaults.max_request_id_bytes,
+        max_client_outbox=defaults.max_client_outbox,
+        max_client_frames_per_step=defaults.max_client_frames_per_step)
+
+    def start_the_router(router_port: int) -> tuple[subprocess.Popen, str]:
+        return start_router(endpoints, config, folder, host, router_port, curve_key_dir,
+                            max_frame_bytes, shutdown_timeout, log_level)
+
+    proc, path = start_the_router(port)
+    try:
+        (endpoint,) = wait_for_endpoints([(proc, path)], 60, "router")
+    except BaseException:
+        stop_processes([proc])
+        raise
+    supervisor.add("router", proc, endpoint, start_the_router,
+                   min_delay_s=ROUTER_RESTART_DELAY_S)
+    click.echo(f"serving on {endpoint}; Ctrl-C to stop")
+    return proc, endpoint
 
 
 def _write_endpoint(path: str, endpoint: str) -> None:
@@ -253,8 +323,9 @@ def _replica_main(spec: dict[str, Any]) -> None:
     engine = engine_builder.build_engine(EngineConfig(model=spec["model"],
                                                       **spec["engine_kwargs"]))
     try:
-        server = EngineServer(engine, "127.0.0.1", spec["port"],
+        server = EngineServer(engine, spec["host"], spec["port"],
                               model_name=spec["served_model_name"],
+                              curve_key_dir=spec["curve_key_dir"],
                               max_frame_bytes=spec["max_frame_bytes"])
         try:
             _write_endpoint(spec["endpoint_file"], server.endpoint)

@@ -5,10 +5,15 @@ A replica is up once it answered ``health`` ready, and down when its connection 
 (the ZMQ monitor sees a leader that died at once: its socket closes) or when it has not
 answered ``health`` for ``replica_timeout_s``. Only a dropped connection fails the
 requests the router has in flight there: a slow leader may still finish them.
+
+With a CURVE key folder the link is a keyed client of the leader, as any client is
+(DIR/server.key, DIR/client.key_secret; common/zmq_utils.py): a replica on another host
+admits the router and nobody without a key in its DIR/clients/.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +24,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from nvllm.common import client_protocol as cp
+from nvllm.common.zmq_utils import curve_client
 
 HEALTH_INTERVAL_S = 0.5  # also the router's keep-alive: a leader aborts silent clients
 _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -42,10 +48,13 @@ class ReplicaLink:
 
     @classmethod
     def connect(cls, ctx: zmq.Context, index: int, endpoint: str,
-                max_frame_bytes: int) -> ReplicaLink:
+                max_frame_bytes: int, curve_key_dir: str | os.PathLike | None = None
+                ) -> ReplicaLink:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        if curve_key_dir is not None:  # keys must be set before connect
+            curve_client(sock, curve_key_dir)
         monitor = sock.get_monitor_socket(_EVENTS)
         sock.connect(endpoint)
         return cls(index, endpoint, sock, monitor)

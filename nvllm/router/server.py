@@ -117,7 +117,9 @@ class Router:
                 self.front.bind(f"tcp://{host}:{port}")
             else:
                 port = self.front.bind_to_random_port(f"tcp://{host}")
-            self.links = [ReplicaLink.connect(self.ctx, i, ep, max_frame_bytes)
+            # Keyed to the replicas too: one on another host admits only keyed clients.
+            self.links = [ReplicaLink.connect(self.ctx, i, ep, max_frame_bytes,
+                                              curve_key_dir)
                           for i, ep in enumerate(replica_endpoints)]
         except BaseException:
             self.close()

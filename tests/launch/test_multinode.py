@@ -62,6 +62,41 @@ def test_two_nodes_on_loopback_match_tp1(tiny, expected, procs, tmp_path):
         stop_process(node1, signal.SIGKILL)
 
 
+def test_data_parallel_replicas_on_two_nodes_on_loopback_match_tp1(tiny, expected,
+                                                                     tmp_path):
+    """The head runs replica 0 and the router; "node 1" runs replica 1 and registers it;
+    CURVE keys the registration and the router's links. Greedy output through the
+    router equals one engine's, on both replicas; SIGTERM stops both launches cleanly."""
+    from nvllm import Client
+    from nvllm.common.zmq_utils import generate_keys
+
+    keys = str(generate_keys(tmp_path / "keys"))
+    rpc = str(free_port())
+    common = ["--model", tiny("qwen3"), "--device", "cpu", "--data-parallel-size", "2",
+              "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", rpc, "--curve-key-dir", keys,
+              "--router-policy", "round_robin"]
+    nodes = [subprocess.Popen([*LAUNCH, *common, "--data-parallel-start-rank", str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (1, 0)]  # node 1 first: it retries until the head listens
+    try:
+        assert "registered with 127.0.0.1:" + rpc in read_until(nodes[0], "registered", 120)
+        head = read_until(nodes[1], r"serving on tcp://", 120)
+        endpoint = re.search(r"serving on (tcp://\S+);", head)[1]
+        with Client(endpoint, timeout_s=60, curve_key_dir=keys) as c:
+            outs = [c.generate(PROMPT, {"max_tokens": 12, "temperature": 0.0})
+                    for _ in range(2)]  # round robin: one on each replica
+            assert [repr(o.outputs[0].text) for o in outs] == [expected] * 2  # as printed
+            served = c.metrics()
+        assert all(f'nvllm_router:replica_up{{replica="{r}"}} 1.0' in served for r in (0, 1))
+        for node in nodes:
+            node.send_signal(signal.SIGTERM)
+        assert [node.wait(timeout=30) for node in nodes] == [0, 0]
+    finally:
+        for node in nodes:
+            stop_process(node, signal.SIGKILL)
+
+
 def test_torchrun_matches_tp1(tiny, expected):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -98,6 +133,29 @@ def test_slurm_env_translation():
     assert tr["RANK"] == "0" and tr["LOCAL_WORLD_SIZE"] == "2"
     with pytest.raises(RuntimeError, match="torchrun"):
         dist_env({})
+
+
+def test_data_parallel_node_flags_place_replica_r_on_node_r_tp_over_devices():
+    from nvllm.launch.dp_nodes import node_flags
+
+    args = ["--model", "m", "--tp", "2", "--data-parallel-size", "3"]
+    slurm = {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "gpu[07-08]",
+             "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "123456"}
+
+    def flags(node: int) -> list[str]:
+        return node_flags(args, dict(slurm, SLURM_PROCID=str(node)), devices_per_node=4)[
+            len(args):]
+
+    # 4 devices / tp 2: replicas 0, 1 on node 0 (gpu07, the head), replica 2 on node 1.
+    common = ["--data-parallel-address", "gpu07", "--data-parallel-rpc-port", "23457"]
+    assert flags(0) == ["--data-parallel-size-local", "2", "--data-parallel-start-rank", "0",
+                        *common]
+    assert flags(1) == ["--data-parallel-size-local", "1", "--data-parallel-start-rank", "2",
+                        *common]
+    with pytest.raises(ValueError, match="needs more devices than a node has"):
+        node_flags(["--tp=8"], dict(slurm, SLURM_PROCID="0"), devices_per_node=4)
+    with pytest.raises(ValueError, match="the job has 2"):
+        node_flags([*args, "-dp", "5"], dict(slurm, SLURM_PROCID="0"), devices_per_node=4)
 
 
 FAKE_SRUN = """#!/bin/bash
@@ -197,3 +255,11 @@ def test_remote_workers_exit_when_the_leader_dies(tiny, procs):
     finally:
         stop_process(node0, signal.SIGKILL)
         stop_process(node1, signal.SIGKILL)
+
+
+def test_each_replica_on_a_node_gets_its_own_devices():
+    from nvllm.launch.data_parallel import replica_devices
+
+    assert [replica_devices(s, 2, None, 6) for s in range(3)] == ["0,1", "2,3", "4,5"]
+    assert replica_devices(1, 2, "4,5,6,7", 4) == "6,7"
+    assert replica_devices(1, 2, "4,5", 2) is None  # too few: replicas share them

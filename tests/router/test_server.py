@@ -238,3 +238,21 @@ def test_process_group_messages_are_refused_with_where_to_send_them(stalling, ro
     # (the client's best-effort weights_abort after the refusal is relayed: harmless)
     assert not [m for leader in stalling for m in leader.controls
                 if m["op"] in ("init_weight_update_group", "weights_from_distributed")]
+
+
+def test_with_curve_keys_a_replica_admits_the_router_and_refuses_unkeyed_clients(
+        tmp_path, router):
+    from nvllm.common.zmq_utils import generate_keys
+
+    keys = str(generate_keys(tmp_path / "keys"))
+    leader = FakeLeader(str(tmp_path), curve_key_dir=keys)
+    try:
+        with Client(leader.endpoint, timeout_s=1) as unkeyed, \
+                pytest.raises(TimeoutError, match="no answer"):
+            unkeyed.info()  # the handshake is refused: no frame of it reaches the leader
+        r = router([leader.endpoint], curve_key_dir=keys)
+        with Client(r.endpoint, timeout_s=10, curve_key_dir=keys) as c:
+            assert c.generate([1, 2], {"max_tokens": 1}).outputs[0].text == "x"
+        assert len(leader.submits) == 1
+    finally:
+        leader.close()

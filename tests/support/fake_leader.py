@@ -9,10 +9,12 @@ class FakeLeader:
     `script`'s texts, one output each (the last one ends with stop), or with `error` (a
     (code, message) error answer)."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, curve_key_dir: str | None = None) -> None:
         import threading
 
         import zmq
+
+        from nvllm.common.zmq_utils import curve_server
 
         self.model_path = model_path
         self.submits: list[dict] = []
@@ -23,6 +25,9 @@ class FakeLeader:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Keyed as the leader's client endpoint is: only DIR/clients/ keys get in.
+        self.auth = None if curve_key_dir is None else \
+            curve_server(self.ctx, self.sock, curve_key_dir)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.stop = threading.Event()
@@ -89,6 +94,8 @@ class FakeLeader:
         self.thread.join(10)
         assert not self.thread.is_alive()
         self.sock.close()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
 
 

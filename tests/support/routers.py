@@ -10,8 +10,10 @@ from nvllm.router.server import Router, RouterConfig
 
 
 def start_router(endpoints: list[str], policy: str = "round_robin", *,
-                 wait_ready: bool = True, **kw) -> SimpleNamespace:
-    router = Router(endpoints, RouterConfig(policy=policy, **kw))
+                 wait_ready: bool = True, curve_key_dir: str | None = None,
+                 **kw) -> SimpleNamespace:
+    router = Router(endpoints, RouterConfig(policy=policy, **kw),
+                    curve_key_dir=curve_key_dir)
     stop = threading.Event()
     thread = threading.Thread(target=router.serve, args=(stop,), daemon=True)
     thread.start()
