@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 
 from nvllm.worker.layers.quant import GROUP, QuantFormat, pack_int4
+from nvllm.worker.sharding import window_2d
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 -> its nibble in the int32
 PACK = 8  # 4-bit values per int32
@@ -164,13 +165,7 @@ class PackedInt4Slice:
         return q.contiguous(), z, self.scales[g0:g1, r0:r1].t()
 
     def __getitem__(self, index) -> torch.Tensor:
-        if not isinstance(index, tuple):
-            index = (index,)
-        index = (*index, *[slice(None)] * (2 - len(index)))
-        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index, self.shape))
-        if rs != 1 or cs != 1:
-            raise ValueError(f"{self.name}: strided reads unsupported")
-        r1, c1 = max(r0, r1), max(c0, c1)
+        (r0, r1), (c0, c1) = window_2d(index, self.shape, self.name)
         q, z, s = self._parts((r0, r1), (c0, c1))
         r, g = z.shape
         # (q - z) * scale: exact in float32 (numpy: 3x torch's uint8/int16 ops here)

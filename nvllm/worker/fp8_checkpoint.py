@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from nvllm.worker.sharding import window_2d
+
 logger = logging.getLogger(__name__)
 
 QTYPE = "FP8"  # the source type quantize.plan sees (``qtype_name``)
@@ -100,13 +102,7 @@ class Fp8Slice:
         return self.weight[r0:r1, c0:c1], self.scale[r0:r1]
 
     def __getitem__(self, index) -> torch.Tensor:
-        if not isinstance(index, tuple):
-            index = (index,)
-        index = (*index, *[slice(None)] * (2 - len(index)))
-        (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index, self.shape))
-        if rs != 1 or cs != 1:
-            raise ValueError(f"{self.name}: strided reads unsupported")
-        r1, c1 = max(r0, r1), max(c0, c1)
+        (r0, r1), (c0, c1) = window_2d(index, self.shape, self.name)
         q, s = self.fp8_rows((r0, r1), (c0, c1))
         return q.float() * s.unsqueeze(1)  # exact: e4m3 has 4 significant bits
 

@@ -87,3 +87,17 @@ def head_partition(num_heads: int, num_kv_heads: int, world: int) -> list[HeadSh
         for q0, nq in zip(shard_starts(group, ranks), shard_sizes(group, ranks)):
             out.append(HeadShard(kv * group + q0, nq, kv, 1))
     return out
+
+
+def window_2d(index, shape: tuple[int, int], name: str
+              ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((r0, r1), (c0, c1)) of a plain slice `index` into a 2-D packed checkpoint tensor
+    (the loader slices shards; a packed tensor can only serve whole row/column windows,
+    so a stride is refused)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    index = (*index, *[slice(None)] * (2 - len(index)))
+    (r0, r1, rs), (c0, c1, cs) = (i.indices(n) for i, n in zip(index, shape))
+    if rs != 1 or cs != 1:
+        raise ValueError(f"{name}: strided reads unsupported")
+    return (r0, max(r0, r1)), (c0, max(c0, c1))

@@ -16,6 +16,7 @@ from nvllm.common.weight_transfer import WeightUpdateError, chunks
 from nvllm.common.worker_protocol import WeightChunk
 from nvllm.worker.model_runner import ModelRunner
 from nvllm.worker.parallel import TPContext
+from tests.support.weight_ckpts import held_params
 
 PRESET = "qwen3-moe"  # per-expert tensors, a dense layer, one KV head
 
@@ -41,19 +42,6 @@ def _tensors(folder: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _held(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    """Every parameter as the layers hold it (a packed weight unpacked)."""
-    out = {}
-    for name, p in runner.model.named_parameters():
-        module = runner.model.get_submodule(name.rsplit(".", 1)[0])
-        packed = getattr(module, "packed", None)
-        if p.numel() == 0 and isinstance(packed, torch.Tensor):
-            out[name] = packed.to_dense().clone()
-        else:
-            out[name] = p.detach().clone()
-    return out
-
-
 def _messages(update_id: int, tensors, chunk_bytes: int = 8 << 10) -> list[WeightChunk]:
     return [WeightChunk(update_id, k, [n for n, _, _ in c], [d for _, d, _ in c],
                         [inline_ref(a).encode() for _, _, a in c])
@@ -62,26 +50,26 @@ def _messages(update_id: int, tensors, chunk_bytes: int = 8 << 10) -> list[Weigh
 
 def test_a_committed_update_holds_what_loading_holds(folders):
     a_dir, b_dir = folders
-    runner, want = _runner(a_dir), _held(_runner(b_dir))
+    runner, want = _runner(a_dir), held_params(_runner(b_dir))
     assert any(getattr(m, "packed", None) is not None for m in runner.model.modules())
-    before = _held(runner)
+    before = held_params(runner)
     assert sum(not torch.equal(before[k], want[k]) for k in want) > len(want) // 2
     msgs = _messages(1, _tensors(b_dir))
     assert len(msgs) > 3
     for m in msgs:
         runner.weights.stage(m)
-    assert _held(runner).keys() == before.keys()
-    assert all(torch.equal(before[k], v) for k, v in _held(runner).items())  # staged only
+    assert held_params(runner).keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in held_params(runner).items())  # staged only
     assert runner.weights.staged_bytes > 0
     runner.weights.commit(1)
-    got = _held(runner)
+    got = held_params(runner)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
 def test_a_refused_chunk_changes_nothing(folders):
     a_dir, b_dir = folders
     runner = _runner(a_dir)
-    before = _held(runner)
+    before = held_params(runner)
     b = _tensors(b_dir)
     first, *_ = _messages(5, b)
     runner.weights.stage(first)
@@ -91,7 +79,7 @@ def test_a_refused_chunk_changes_nothing(folders):
     assert runner.weights.staged == {} and runner.weights.update_id is None
     with pytest.raises(WeightUpdateError, match="commit of update 5"):
         runner.weights.commit(5)
-    assert all(torch.equal(before[k], v) for k, v in _held(runner).items())
+    assert all(torch.equal(before[k], v) for k, v in held_params(runner).items())
     # Out of order: chunk 1 of an update whose chunk 0 never came.
     with pytest.raises(WeightUpdateError, match="out of order"):
         runner.weights.stage(WeightChunk(6, 1, *_one(expert, b[expert])))
