@@ -2,10 +2,11 @@
 
 One PUSH socket per worker (every rank gets every plan; one serialization, N sends), one
 PULL socket that all ranks push to (rank 0's results, every rank's ready and error
-messages), and a ROUTER that answers heartbeats. Only the group's own workers can reach
-them: on one host they are ``ipc://`` paths inside a private (0700) folder, which no other
-user can enter; across nodes they bind tcp on the master address as CURVE servers that
-admit the workers' key (DIR/worker.key) only, never a client key.
+messages), and a ROUTER that answers heartbeats (libzmq answers them, without the GIL).
+Only the group's own workers can reach them: on one host they are ``ipc://`` paths
+inside a private (0700) folder, which no other user can enter; across nodes they bind tcp
+on the master address as CURVE servers that admit the workers' key (DIR/worker.key) only,
+never a client key.
 
 The leader never blocks on a receive for long: between short polls it asks whether every
 worker still lives: the launcher's process check for local workers, and for every rank
@@ -42,8 +43,16 @@ MAX_WORKER_FRAME_BYTES = 256 << 20
 
 
 class HeartbeatMonitor:
-    """Answers the workers' heartbeats on a ROUTER socket from its own thread, so a busy
-    leader still answers, and records when each rank was last heard from.
+    """Answers the workers' heartbeats on a ROUTER socket without the GIL, and records when
+    each rank was last heard from.
+
+    The answer is libzmq's own: ``zmq.proxy_steerable`` with the ROUTER as both its ends
+    reflects every ping to its sender from a native thread that never takes the GIL. A
+    Python thread could not answer while the leader holds the GIL: a full garbage
+    collection over a heap holding torch and transformers, or a C extension call, takes
+    ~0.1 s on a quiet machine and seconds on a loaded one, and workers would leave a
+    leader that is only busy. The proxy's capture copy (PUB, which drops rather than
+    blocks) feeds a Python thread that keeps ``last_seen``.
 
     A rank is judged only after its first heartbeat (start-up has its own timeout); from
     then on, `timeout_s` of silence means the process is dead, stopped, or unreachable.
@@ -63,22 +72,45 @@ class HeartbeatMonitor:
         self.last_seen: dict[int, float] = {}
         self.where: dict[int, str] = {}
         self.disconnected: dict[int, float] = {}
-        self._sock = make_socket(ctx, zmq.ROUTER, max_msg_bytes=4096)
-        secure(self._sock)
-        self.endpoint = bind(self._sock)
+        router = make_socket(ctx, zmq.ROUTER, max_msg_bytes=4096)
+        secure(router)
+        self.endpoint = bind(router)
+        name = f"inproc://nvllm-heartbeats-{id(self):x}"
+        capture = make_socket(ctx, zmq.PUB)
+        capture.bind(f"{name}-capture")
+        self._seen = make_socket(ctx, zmq.SUB)
+        self._seen.setsockopt(zmq.SUBSCRIBE, b"")
+        self._seen.connect(f"{name}-capture")
+        steer = make_socket(ctx, zmq.PAIR)
+        steer.bind(f"{name}-control")
+        self._control = make_socket(ctx, zmq.PAIR)
+        self._control.connect(f"{name}-control")
         self._monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
                           for s in per_rank]
         self._stop = threading.Event()
         self._last_loop = time.monotonic()
+        self._echo = threading.Thread(target=self._answer, args=(router, capture, steer),
+                                      daemon=True, name="heartbeat-echo")
+        self._echo.start()
         self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeats")
         self._thread.start()
+
+    @staticmethod
+    def _answer(router: zmq.Socket, capture: zmq.Socket, steer: zmq.Socket) -> None:
+        """Reflect every ping to its sender until close() says TERMINATE (pyzmq runs the
+        proxy with the GIL released)."""
+        try:
+            zmq.proxy_steerable(router, router, capture, steer)
+        except zmq.ZMQError:
+            pass  # the context is being terminated
+        for s in (router, capture, steer):
+            s.close(0)
 
     def _run(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        sock = self._sock
         poller = zmq.Poller()
-        for s in (sock, *self._monitors):
+        for s in (self._seen, *self._monitors):
             poller.register(s, zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(POLL_MS))
@@ -96,25 +128,26 @@ class HeartbeatMonitor:
                         self.disconnected[rank] = time.monotonic()
                     else:
                         self.disconnected.pop(rank, None)
-            if sock not in ready:
-                continue
-            frames = sock.recv_multipart()
-            try:
-                rank, pid, host = msgpack.unpackb(frames[-1], raw=False)
-                if not (isinstance(rank, int) and 0 <= rank < self.num_workers):
-                    raise ValueError(f"rank {rank!r} out of range")
-            except Exception as e:  # garbage from a stray peer: log, never crash
-                logger.warning("dropping a malformed heartbeat: %s", e)
-                continue
-            if rank not in self.last_seen:
-                self.where[rank] = f"pid {pid} on {host}"
-            self.last_seen[rank] = time.monotonic()
-            try:
-                sock.send_multipart([frames[0], b""], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        for s in (sock, *self._monitors):
+            while self._seen in ready:
+                try:
+                    self._note(self._seen.recv_multipart(zmq.NOBLOCK)[-1])
+                except zmq.Again:
+                    break
+        for s in (self._seen, *self._monitors):
             s.close(0)
+
+    def _note(self, frame: bytes) -> None:
+        """Record one ping (the capture copy's last frame)."""
+        try:
+            rank, pid, host = msgpack.unpackb(frame, raw=False)
+            if not (isinstance(rank, int) and 0 <= rank < self.num_workers):
+                raise ValueError(f"rank {rank!r} out of range")
+        except Exception as e:  # garbage from a stray peer: log, never crash
+            logger.warning("dropping a malformed heartbeat: %s", e)
+            return
+        if rank not in self.last_seen:
+            self.where[rank] = f"pid {pid} on {host}"
+        self.last_seen[rank] = time.monotonic()
 
     def silent(self) -> dict[int, str]:
         """rank -> why it counts as dead, for every rank that does."""
@@ -134,6 +167,12 @@ class HeartbeatMonitor:
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            self._control.send(b"TERMINATE")
+        except zmq.ZMQError:
+            pass
+        self._echo.join(timeout=2)
+        self._control.close(0)
         self._thread.join(timeout=2)
 
 
