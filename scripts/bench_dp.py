@@ -3,7 +3,8 @@
 through DP=2 x TP=1 replicas with each router policy, against one DP=1 x TP=2 engine,
 all from one run: requests/s, output tokens/s (and its ratio to DP=1 x TP=2) and the
 cached-prompt-token fraction (cached tokens over the ideal in which each tenant's system
-prompt is computed once).
+prompt is computed once); for cache_aware, the prefix tree's predicted match against the
+cached tokens each replica reported (docs/data-parallel.md, exact KV events).
 
 The DP=2 launch is one `nvllm-launch --data-parallel-size 2`; each policy gets an
 in-process router over its replicas and tenants of its own (fresh random system prompts,
@@ -99,7 +100,13 @@ def routed(replicas: list[str], policy: str, prompts, args) -> dict:
     try:
         while not router.ready():
             time.sleep(0.05)
-        return asyncio.run(run(router.endpoint, prompts, args))
+        out = asyncio.run(run(router.endpoint, prompts, args))
+        acc = router.prefix_accuracy
+        if sum(acc.requests.values()):  # a policy with a prefix tree
+            out["prefix"] = (sum(acc.predicted.values()), sum(acc.cached.values()),
+                             sum(acc.over.values()), sum(acc.under.values()),
+                             sum(acc.requests.values()))
+        return out
     finally:
         stop.set()
         thread.join(30)
@@ -151,6 +158,13 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:34} {r['req_s']:7.2f} {r['out_tok_s']:10.1f} "
               f"{r['out_tok_s'] / base['out_tok_s']:12.2f}x {r['cached']:7.2f}")
+    print("\nThe prefix tree's predicted match on the chosen replica against the replica's "
+          "usage.cached_tokens\n(mispredicted: off by more than one KV block):")
+    for name, r in results.items():
+        if "prefix" in r:
+            pred, cached, over, under, n = r["prefix"]
+            print(f"{name:34} predicted {pred} tokens, cached {cached}; over {over}, "
+                  f"under {under} of {n} requests: mispredicted {(over + under) / n:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ requires), then the router's own counters."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from nvllm.router.policy import DECISIONS
 
@@ -13,6 +15,53 @@ if TYPE_CHECKING:
     from nvllm.router.server import Router
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
+
+
+@dataclass(slots=True)
+class PrefixAccuracy:
+    """How far the approximate prefix tree's word is from each replica's own: per replica,
+    the prompt tokens the tree predicted it held for the requests routed there, and those
+    the replica's answer says it had cached (``usage.cached_tokens``), with the requests
+    whose prediction was off by more than one KV block either way. The tree overestimates
+    when the replica evicted what the tree still holds; exact KV events (vLLM's) could
+    fix only those requests, so this bounds what they would gain."""
+
+    predicted: Counter[int] = field(default_factory=Counter)
+    cached: Counter[int] = field(default_factory=Counter)
+    requests: Counter[int] = field(default_factory=Counter)
+    over: Counter[int] = field(default_factory=Counter)
+    under: Counter[int] = field(default_factory=Counter)
+
+    def answered(self, replica: int, predicted: int, usage: Any, block_size: int) -> None:
+        """One request's final answer from `replica` (its ``usage``, if any)."""
+        cached = usage.get("cached_tokens") if isinstance(usage, dict) else None
+        if type(cached) is not int:
+            return  # a replica that does not report it says nothing about the tree
+        self.requests[replica] += 1
+        self.predicted[replica] += predicted
+        self.cached[replica] += cached
+        if predicted - cached > block_size:
+            self.over[replica] += 1
+        elif cached - predicted > block_size:
+            self.under[replica] += 1
+
+    def exposition(self, replicas: list[int]) -> list[str]:
+        out = []
+        for name, counter, what in (
+                ("prefix_predicted_tokens", self.predicted, "Prompt tokens the prefix tree "
+                 "predicted the replica held, summed over the requests routed there."),
+                ("prefix_cached_tokens", self.cached, "Prompt tokens the replica reported "
+                 "cached (usage.cached_tokens) for those requests."),
+                ("prefix_predictions", self.requests, "Requests whose prediction was "
+                 "checked against the replica's answer."),
+                ("prefix_overestimated", self.over, "Requests whose predicted match "
+                 "exceeded the replica's cached tokens by more than one KV block."),
+                ("prefix_underestimated", self.under, "Requests whose replica cached more "
+                 "than one KV block beyond the predicted match.")):
+            fam = f"nvllm_router:{name}_total"
+            out += [f"# HELP {fam} {what}", f"# TYPE {fam} counter"]
+            out += [f'{fam}{{replica="{r}"}} {float(counter.get(r, 0))}' for r in replicas]
+        return out
 
 
 def _labelled(line: str, replica: int) -> str:
@@ -86,4 +135,6 @@ def router_exposition(router: Router) -> str:
     lines += [f'nvllm_router:requests_failed_replica_lost_total{{replica="{lk.index}"}} '
               f"{float(router.failed_by_replica_loss.get(lk.index, 0))}"
               for lk in router.links]
+    if tree is not None:
+        lines += router.prefix_accuracy.exposition([lk.index for lk in router.links])
     return "\n".join(lines) + "\n"

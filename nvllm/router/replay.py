@@ -36,6 +36,9 @@ class Flight:
     shown: bool = False  # a first output went out (it carried any prompt_logprobs)
     replays: int = 0
     aborted: bool = False  # the client asked to abort it
+    # (replica, prompt tokens the prefix tree said it held) when routed by a tree; the
+    # replica's answer says how many it had cached (nvllm/router/metrics.py).
+    predicted: tuple[int, int] | None = None
 
     def forwarded(self, msg: dict[str, Any]) -> None:
         """Note an ``output`` message passed on to the client."""

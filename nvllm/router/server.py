@@ -41,7 +41,7 @@ from nvllm.common.zmq_utils import (
     make_socket,
 )
 from nvllm.router.control_relay import GROUP_OPS, GROUP_REFUSAL, RELAYED_OPS, ControlRelay
-from nvllm.router.metrics import merge_expositions, router_exposition
+from nvllm.router.metrics import PrefixAccuracy, merge_expositions, router_exposition
 from nvllm.router.policy import (
     CacheAware,
     CacheAwareConfig,
@@ -131,6 +131,7 @@ class Router:
         # By the lost replica: requests resumed on another, and those that could not be.
         self.replayed: Counter[int] = Counter()
         self.failed_by_replica_loss: Counter[int] = Counter()
+        self.prefix_accuracy = PrefixAccuracy()  # the tree's predictions against usage
         self._flights: dict[int, Flight] = {}  # the router's request id -> whose
         self._by_client: dict[bytes, dict[Any, int]] = defaultdict(dict)
         self._last_seen: dict[bytes, float] = {}
@@ -279,8 +280,11 @@ class Router:
         if rid in live:
             return self._error(client, rid, "duplicate_id",
                                "this request id is already in flight on this connection")
+        tokens = self._routing_tokens(msg)
+        tree = getattr(self.policy, "tree", None)  # read before route() inserts the prompt
+        matched = tree.match(tokens) if tree is not None and tokens[:1] != [-1] else None
         try:
-            replica, decision = route(self.policy, self.sticky, self._routing_tokens(msg),
+            replica, decision = route(self.policy, self.sticky, tokens,
                                       key, [lk.load for lk in self.links],
                                       [lk.up for lk in self.links])
         except NoReplicaError:
@@ -298,6 +302,8 @@ class Router:
         n = params.get("n", 1) if isinstance(params, dict) else 1
         self._flights[ours] = Flight(client, rid, replica,
                                      n if type(n) is int and n >= 1 else 1, msg)
+        if matched is not None:
+            self._flights[ours].predicted = (replica, matched.get(replica, 0))
         live[rid] = ours
         link.load += 1
 
@@ -400,6 +406,11 @@ class Router:
             f.remaining = 0
         elif msg.get("finish_reason") is not None:
             f.remaining -= 1
+            if f.predicted is not None and f.predicted[0] == f.replica:  # not a replay
+                info = self.links[f.replica].info or {}
+                self.prefix_accuracy.answered(f.replica, f.predicted[1], msg.get("usage"),
+                                              int(info.get("block_size", 16)))
+                f.predicted = None  # once per request, not per completion
         if f.remaining <= 0:
             self._drop(rid)
 

@@ -256,3 +256,27 @@ def test_with_curve_keys_a_replica_admits_the_router_and_refuses_unkeyed_clients
         assert len(leader.submits) == 1
     finally:
         leader.close()
+
+
+def test_the_trees_predicted_match_is_counted_against_the_replicas_cached_tokens(tmp_path,
+                                                                                 router):
+    """Per request: the tree's predicted match on the chosen replica and the replica's
+    usage.cached_tokens; a miss by more than one block (16 tokens) counts as over/under."""
+    leader = FakeLeader(str(tmp_path))
+    try:
+        r = router([leader.endpoint], policy="cache_aware")
+        a, b = list(range(10, 74)), list(range(100, 164))  # 64 tokens each
+        with Client(r.endpoint, timeout_s=10) as c:
+            # (prompt, what the replica says it had cached): predicted 0, 64, 64, 0
+            for prompt, cached in ((a, 0), (a, 48), (a, 0), (b, 40)):
+                leader.cached_tokens = cached
+                c.generate(prompt, {"max_tokens": 1})
+            text = c.metrics()
+        acc = r.router.prefix_accuracy
+        assert (acc.requests[0], acc.predicted[0], acc.cached[0]) == (4, 128, 88)
+        assert (acc.over[0], acc.under[0]) == (1, 1)  # the third, the fourth
+        assert 'nvllm_router:prefix_predicted_tokens_total{replica="0"} 128.0' in text
+        assert 'nvllm_router:prefix_cached_tokens_total{replica="0"} 88.0' in text
+        assert 'nvllm_router:prefix_overestimated_total{replica="0"} 1.0' in text
+    finally:
+        leader.close()

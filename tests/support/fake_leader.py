@@ -22,6 +22,7 @@ class FakeLeader:
         self.ready = True  # health: False answers not ready, with a reason naming the path
         self.script: list[str] | None = None
         self.error: tuple[str, str] | None = None
+        self.cached_tokens = 0  # each final output's usage.cached_tokens
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -87,7 +88,7 @@ class FakeLeader:
                                 "token_ids": [5], "text": "x", "logprobs": lps,
                                 "finish_reason": "length",
                                 "usage": {"prompt_tokens": 3, "completion_tokens": 1,
-                                          "cached_tokens": 0}})
+                                          "cached_tokens": self.cached_tokens}})
 
     def close(self) -> None:
         self.stop.set()
