@@ -23,20 +23,13 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nvllm.common import client_protocol as cp
-from nvllm.common.cuda_ipc import choose_ipc, push_ipc
 from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.sleep_client import AsyncSleepClient, SleepClient
 from nvllm.common.trace import Tracer
 from nvllm.common.weight_source_client import AsyncWeightSourceClient, WeightSourceClient
-from nvllm.common.weight_transfer import (
-    DEFAULT_CHUNK_BYTES,
-    NamedTensors,
-    WeightUpdateError,
-    client_transfer,
-    push_weights,
-)
+from nvllm.common.weight_transfer import WeightUpdateError
 from nvllm.common.zmq_utils import curve_client
 
 PING_INTERVAL_S = 1.0
@@ -252,44 +245,6 @@ class Client(WeightSourceClient, SleepClient):
     def abort(self, request_id: str) -> None:
         self._send(cp.encode(cp.Abort(request_id)))
 
-    # ---- RL: vLLM's pause_generation, resume_generation, update_weights -------------
-
-    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Returns once paused (for "wait": once the running requests finished)."""
-        self._request(cp.PauseGeneration(mode=mode, clear_cache=clear_cache), cp.Paused)
-
-    def resume_generation(self) -> None:
-        self._request(cp.ResumeGeneration(), cp.Resumed)
-
-    def update_weights(self, named_tensors: NamedTensors,
-                       weight_version: int | str | None = None,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       shared_memory: bool | None = None,
-                       cuda_ipc: bool | None = None) -> int | str:
-        """LLM.update_weights over the socket: the tensors go through shared memory this
-        process creates (`shared_memory`, default: when the endpoint is on this host),
-        else inline in the frames; CUDA tensors (`cuda_ipc`, default: when the first one
-        is on CUDA) by IPC handle, each worker copying straight from them. Returns the
-        weight_version now in force."""
-        ipc, named_tensors = choose_ipc(named_tensors, cuda_ipc)
-        shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
-
-        def send(k: int, names: list[str], dtypes: list[str], refs: list[list],
-                 rows: list[int] | None) -> None:
-            self._request(cp.WeightsChunk(chunk=k, names=names, dtypes=dtypes, refs=refs,
-                                          rows=rows), cp.WeightsStaged)
-
-        try:
-            if ipc:
-                push_ipc(named_tensors, send, chunk_bytes)
-            else:
-                push_weights(named_tensors, send, chunk_bytes, shm)
-        except BaseException:
-            self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
-            raise
-        return self._request(cp.WeightsCommit(weight_version=weight_version),
-                             cp.WeightsCommitted)["weight_version"]
-
     def close(self) -> None:
         self._sock.disable_monitor()
         self._monitor.close(0)
@@ -479,40 +434,6 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
 
     async def abort(self, request_id: str) -> None:
         await self._send(cp.encode(cp.Abort(request_id)))
-
-    # ---- RL: as Client's ----------------------------------------------------------------
-
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        await self._request(cp.PauseGeneration(mode=mode, clear_cache=clear_cache))
-
-    async def resume_generation(self) -> None:
-        await self._request(cp.ResumeGeneration())
-
-    async def update_weights(self, named_tensors: NamedTensors,
-                             weight_version: int | str | None = None,
-                             chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                             shared_memory: bool | None = None,
-                             cuda_ipc: bool | None = None) -> int | str:
-        """As Client.update_weights; the ring writes run on a thread, off the loop."""
-        ipc, named_tensors = choose_ipc(named_tensors, cuda_ipc)
-        shm, chunk_bytes = client_transfer(self.endpoint, shared_memory, chunk_bytes)
-        loop = asyncio.get_running_loop()
-
-        def send(k: int, names: list[str], dtypes: list[str], refs: list[list],
-                 rows: list[int] | None) -> None:
-            asyncio.run_coroutine_threadsafe(self._request(cp.WeightsChunk(
-                chunk=k, names=names, dtypes=dtypes, refs=refs, rows=rows)), loop).result()
-
-        try:
-            if ipc:
-                await asyncio.to_thread(push_ipc, named_tensors, send, chunk_bytes)
-            else:
-                await asyncio.to_thread(push_weights, named_tensors, send, chunk_bytes, shm)
-        except BaseException:
-            await self._send(cp.encode(cp.WeightsAbort()), best_effort=True)
-            raise
-        return (await self._request(cp.WeightsCommit(weight_version=weight_version))
-                )["weight_version"]
 
     def close(self) -> None:
         for t in self._tasks:
