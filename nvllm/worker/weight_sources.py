@@ -120,16 +120,10 @@ class WeightSources:
         """Run one staging chunk under the updater's rules: in order, and any failure
         drops everything staged for the update."""
         w = self.weights
-        try:
+        with w.aborting(msg.update_id):
             w.begin_chunk(msg.update_id, msg.chunk)
             fn(msg)
             w.next_chunk += 1
-        except WeightUpdateError:
-            w.abort(msg.update_id)
-            raise
-        except (ValueError, RuntimeError, KeyError, OSError) as e:
-            w.abort(msg.update_id)
-            raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -65,13 +67,20 @@ class WeightUpdater:
     def stage(self, msg: WeightChunk) -> None:
         """Slice this rank's shard of every tensor of `msg` into staging. Raises
         WeightUpdateError (and drops everything staged) when any tensor is refused."""
-        try:
+        with self.aborting(msg.update_id):
             self._stage(msg)
+
+    @contextmanager
+    def aborting(self, update_id: int) -> Iterator[None]:
+        """Any failure inside drops everything staged for `update_id` (every source's one
+        rule: a refused tensor leaves the old weights) and surfaces as WeightUpdateError."""
+        try:
+            yield
         except WeightUpdateError:
-            self.abort(msg.update_id)
+            self.abort(update_id)
             raise
-        except (BadRef, ValueError, RuntimeError, KeyError) as e:
-            self.abort(msg.update_id)
+        except (BadRef, ValueError, RuntimeError, KeyError, OSError) as e:
+            self.abort(update_id)
             raise WeightUpdateError(f"{type(e).__name__}: {e}") from None
 
     def begin_chunk(self, update_id: int, chunk: int) -> None:
