@@ -19,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from nvllm.common.cuda_ipc import push_ipc, wants_ipc
+from nvllm.common.sleep_mode import PAUSE_MODES
 from nvllm.common.weight_transfer import (
     DEFAULT_CHUNK_BYTES,
     NamedTensors,
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
     from nvllm.leader.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class WeightSync:
