@@ -5,6 +5,7 @@ hang until timeout_s."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import msgpack
@@ -105,10 +106,19 @@ def test_a_lost_leader_fails_live_streams(leader, monkeypatch):
         ident = sock_thread_result["ident"]
         assert ident.startswith(b"nv") and len(ident) == 17  # its random, stable identity
         sock.close(0)  # the leader goes away
+        # Hold its port (bound, not listening) so a parallel test's socket cannot take it
+        # and answer the client's reconnect as if the leader were back.
+        hold = socket.socket()
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            hold.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+        except OSError:
+            pass
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="lost the connection"):
             next(stream)
         assert time.monotonic() - t0 < 10  # not timeout_s (60 s)
+        hold.close()
 
 
 @pytest.mark.parametrize("params", [
