@@ -188,6 +188,7 @@ def procs() -> type[ProcUtils]:
 SLOW_MODULES = frozenset({
     "tests/kernels/test_triton_compile.py",
     "tests/kernels/test_cpu_attention.py",
+    "tests/kernels/test_cpu_isa_variants.py",
     "tests/leader/test_fuzz.py",
     "tests/common/test_config.py",
     "tests/launch/test_tiny.py",

@@ -8,7 +8,9 @@ mul, rotary) each replace several torch ops and their temporaries with one pass.
 ``csrc/cpu_quant_linear.cpp`` multiplies by weights held in groups of 32 int8 / int4
 values (nvllm/worker/layers/quant.py) without dequantizing them to memory;
 ``csrc/cpu_quant_vnni.cpp`` does the same with the activations quantized to int8 per
-block of 32 and integer dot products (AVX-512 VNNI), as llama.cpp's Q8 path does. The
+block of 32 and integer dot products (AVX-512 VNNI, or AVX2's vpmaddubsw), as llama.cpp's
+Q8 path does. Each op holds an AVX-512 path, an AVX2 + FMA one (AMD Zen 1-3, most client
+CPUs) and portable loops; ``NVLLM_CPU_ISA`` builds a narrower one to test it. The
 ``"cpu"`` backend of ``ops`` runs them; ``ops.resolve_backend`` picks it on CPU when
 ``load()`` succeeds.
 
@@ -45,6 +47,19 @@ HEADERS = [CSRC / "bf16.h", CSRC / "quant_args.h"]
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-lmvec", "-fopenmp"]
+# NVLLM_CPU_ISA narrows what the build may use below what this CPU has, so that one
+# machine can test each vector path the kernels hold (AVX-512, AVX2, portable loops):
+# "native" (the default), "avx2" (no AVX-512), "portable" (no AVX, AVX2, FMA or F16C).
+ISA_ENV = "NVLLM_CPU_ISA"
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma", "-mno-f16c"]}
+
+
+def cflags() -> list[str]:
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}; expected one of {', '.join(ISA_FLAGS)}")
+    return CFLAGS + ISA_FLAGS[isa]
 
 
 def _cpu_flags() -> str:
@@ -62,7 +77,7 @@ def build_dir() -> pathlib.Path:
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(" ".join(cflags() + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     root = os.environ.get("NVLLM_EXT_DIR") or pathlib.Path.home() / ".cache" / "nvllm" / "ext"
@@ -79,7 +94,7 @@ def build(verbose: bool = False) -> pathlib.Path:
 
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=cflags(),
                        extra_ldflags=LDFLAGS, build_directory=str(d), is_python_module=False,
                        verbose=verbose)
     return library_path()

@@ -34,8 +34,9 @@ def _long(xs: list[int]) -> torch.Tensor:
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="nvllm's CPU ops are not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-# The AVX-512 fixed shapes (8/2 at 64, 4/1 at 128) and the generic loop (6/2 at 80).
-@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 1, 128), (6, 2, 80)])
+# The fixed shapes, AVX-512 or AVX2 (8/2 and SmolLM2's 9/3 at 64, 4/1 at 128), and the
+# generic loop (6/2 at 80).
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (9, 3, 64), (4, 1, 128), (6, 2, 80)])
 @pytest.mark.parametrize("window", [0, 3])
 def test_native_kernel_query_runs(dtype, heads, kv_heads, d, window):
     """Several new tokens per sequence in one call: each run's K/V appended to its copy

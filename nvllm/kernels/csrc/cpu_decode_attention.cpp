@@ -25,8 +25,13 @@
 #include <optional>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// A fixed-shape kernel per (group, head_dim): AVX-512, or AVX2 + FMA (8 lanes).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define NVLLM_ATTN_FIXED 1
 #endif
 
 #include "bf16.h"
@@ -155,6 +160,83 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
     for (int i = 0; i < D; ++i) (out + g * out_head_stride)[i] = from_float<T>(o[i]);
   }
 }
+#elif defined(NVLLM_ATTN_FIXED)
+// The AVX2 path: 8 keys at a time, each key's dot products with the group's queries
+// accumulated in vector lanes, then one transposing sum per 8 keys; the weighted sum of
+// values runs over 32 dimensions at a time so the group's accumulators stay in registers.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The lane sums of v[0..7], in order.
+inline __m256 transpose_sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <typename T, int G, int D>
+void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
+                  float scale, T* out, int64_t out_head_stride, std::vector<float>& scores) {
+  constexpr int C = D / 8;
+  constexpr int CC = C < 4 ? C : 4;  // value vectors per pass
+  const __m256 sc = _mm256_set1_ps(scale);
+  alignas(32) float qf[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm256_store_ps(qf[g] + c * 8, _mm256_mul_ps(load8(q + g * q_head_stride + c * 8), sc));
+  const int64_t stride = (len + 7) / 8 * 8;  // each head's scores, padded to 8
+  scores.resize(static_cast<size_t>(G * stride));
+  float* s = scores.data();
+  __m256 part[G][8];
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int n = static_cast<int>(len - j0 < 8 ? len - j0 : 8);
+    for (int jj = 0; jj < 8; ++jj) {
+      if (jj >= n) {
+        for (int g = 0; g < G; ++g) part[g][jj] = _mm256_setzero_ps();
+        continue;
+      }
+      const T* kj = k + (j0 + jj) * D;
+      for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(kj + 8 * D) + b, _MM_HINT_T0);
+      for (int g = 0; g < G; ++g) {
+        __m256 acc = _mm256_mul_ps(_mm256_load_ps(qf[g]), load8(kj));
+        for (int c = 1; c < C; ++c)
+          acc = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + c * 8), load8(kj + c * 8), acc);
+        part[g][jj] = acc;
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(s + g * stride + j0, transpose_sum8(part[g]));
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = exp_in_place(s + g * stride, len);
+  alignas(32) float o[G][D];
+  for (int c0 = 0; c0 < C; c0 += CC) {
+    __m256 acc[G][CC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CC; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const T* vj = v + j * D + c0 * 8;
+      for (int c = 0; c < CC; ++c) {
+        const __m256 vv = load8(vj + c * 8);
+        for (int g = 0; g < G; ++g)
+          acc[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + g * stride + j), vv, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CC; ++c)
+        _mm256_store_ps(o[g] + (c0 + c) * 8, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < D; ++i) (out + g * out_head_stride)[i] = from_float<T>(o[g][i]);
+}
+#endif
+
+#ifdef NVLLM_ATTN_FIXED
 
 // The fixed-shape kernel for (group, d), or nullptr (the generic loop then runs).
 template <typename T>
@@ -172,7 +254,7 @@ AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
 #undef NVLLM_CASE
   return nullptr;
 }
-#endif
+#endif  // NVLLM_ATTN_FIXED
 
 template <typename T>
 void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
@@ -289,7 +371,7 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
       append<T>(vc + (sl * kv_heads + h) * d, vb, d);
     }
   }
-#ifdef __AVX512F__
+#ifdef NVLLM_ATTN_FIXED
   const AttendFn<T> fixed = fixed_kernel<T>(group, d);
 #endif
   for (int64_t j = 0; j < nq; ++j) {
@@ -307,7 +389,7 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
     // Query j sees keys 0 .. past + j; a sliding window only moves the first of them.
     const int64_t seen = past + j + 1;
     const int64_t first = window > 0 && seen > window ? seen - window : 0;
-#ifdef __AVX512F__
+#ifdef NVLLM_ATTN_FIXED
     if (fixed != nullptr) {
       fixed(qh, q_stride, k + first * d, v + first * d, seen - first, scale, oh, os1, scores);
       continue;

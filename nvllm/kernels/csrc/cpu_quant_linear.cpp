@@ -15,8 +15,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+// AVX2 + FMA without AVX-512 (AMD Zen 1-3, most client CPUs): the same per-element
+// arithmetic in 8-lane vectors.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define NVLLM_QUANT_AVX2 1
 #endif
 
 #include "bf16.h"
@@ -72,6 +78,44 @@ inline void dequant_group(const uint8_t* q, float s, float m, __m512& w0, __m512
 
 #endif
 
+#if defined(NVLLM_QUANT_AVX2)
+// One group's 32 values as four vectors of 8 floats (values 0-7, 8-15, 16-23, 24-31).
+template <int BITS, bool MIN>
+inline void dequant_group(const uint8_t* q, float s, float m, __m256 (&w)[4]) {
+  const __m256 vs = _mm256_set1_ps(s);
+  __m256 f[4];
+  if constexpr (BITS == 8) {
+    for (int k = 0; k < 4; ++k)
+      f[k] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_and_si128(b, mask);                     // values 0-15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);  // values 16-31
+    __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (!MIN) v[k] = _mm256_sub_epi32(v[k], _mm256_set1_epi32(8));
+      f[k] = _mm256_cvtepi32_ps(v[k]);
+    }
+  }
+  if constexpr (MIN) {
+    const __m256 vm = _mm256_set1_ps(m);
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(f[k], vs, vm);
+  } else {
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(f[k], vs);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+#endif
+
 // One group's 32 values into w (float32), the arithmetic of dot_column.
 template <int BITS, bool MIN>
 inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
@@ -80,6 +124,10 @@ inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
   dequant_group<BITS, MIN>(q, s, m, w0, w1);
   _mm512_storeu_ps(w, w0);
   _mm512_storeu_ps(w + 16, w1);
+#elif defined(NVLLM_QUANT_AVX2)
+  __m256 v[4];
+  dequant_group<BITS, MIN>(q, s, m, v);
+  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 8 * k, v[k]);
 #else
   for (int j = 0; j < kGroup; ++j) {
     int v;
@@ -114,6 +162,52 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
     }
   }
   for (int r = 0; r < R; ++r) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#elif defined(NVLLM_QUANT_AVX2)
+// The AVX2 form: two accumulators per row of x (values 0-7 and 16-23 into one, 8-15 and
+// 24-31 into the other), so up to five rows stay in the 16 vector registers.
+template <int BITS, bool MIN, int R, typename MT>
+inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
+                       const MT* m, float* acc_out) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t G = K / kGroup;
+  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  // Scales and mins converted 8 groups at a time, then broadcast from memory (one load
+  // each rather than a conversion and a shuffle per group).
+  alignas(32) float sf[8], mf[8] = {};
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int gn = static_cast<int>(G - g0 < 8 ? G - g0 : 8);
+    if (gn == 8) {
+      _mm256_store_ps(sf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g0))));
+      if constexpr (MIN) {
+        if constexpr (std::is_same_v<MT, float>) {
+          _mm256_store_ps(mf, _mm256_loadu_ps(m + g0));
+        } else {
+          _mm256_store_ps(mf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g0))));
+        }
+      }
+    } else {
+      for (int i = 0; i < gn; ++i) {
+        sf[i] = half_to_float(s[g0 + i]);
+        if constexpr (MIN) mf[i] = half_to_float(m[g0 + i]);
+      }
+    }
+    for (int i = 0; i < gn; ++i) {
+      const int64_t g = g0 + i;
+      __m256 w[4];
+      dequant_group<BITS, MIN>(q + g * gbytes, sf[i], mf[i], w);
+      const float* xg = x + g * kGroup;
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xg + r * K;
+        acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) acc_out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 #else
 // Portable: the same arithmetic, one group dequantized into a float buffer at a time.

@@ -18,9 +18,12 @@
 // sum minus 8 Sx), int8 weights are stored signed and read as q + 128 (an xor), minus 128
 // Sx. Those corrections are exact int32 subtractions.
 //
-// Without AVX-512 VNNI (and BW, VL) the same arithmetic runs as portable scalar loops:
-// correct everywhere, fast nowhere; quant_a8_vectorized() says which one was built, and
-// nvllm/worker/layers/quant.py uses this op only where it is.
+// With AVX2 only (AMD Zen 1-3, most client CPUs), the same arithmetic with vpmaddubsw
+// (32 unsigned x signed byte products, summed in pairs into int16: at most 2 * 128 * 127,
+// no saturation, because int8 weights go in as |q| against x with q's sign) and vpmaddwd
+// (pairs of int16 into int32). Without either, portable scalar loops: correct
+// everywhere, fast nowhere; quant_a8_vectorized() says whether a vector loop was built,
+// and nvllm/worker/layers/quant.py uses this op only where it is.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -34,6 +37,10 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define NVLLM_A8_VNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 without AVX-512 VNNI: vpmaddubsw / vpmaddwd, llama.cpp's AVX2 route.
+#define NVLLM_A8_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -226,6 +233,100 @@ inline void column_vnni(const LanesX& lx, int64_t r0, int64_t G, const uint8_t* 
 }
 #endif
 
+#if defined(NVLLM_A8_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+
+struct Avx2X {  // x as quantized, and its min terms
+  const QuantX& xq;
+  int64_t gpad;           // G rounded up to 8
+  std::vector<float> xs;  // [M, gpad]: dx * Sx per group, zero-padded
+};
+
+inline Avx2X avx2_x(const QuantX& xq, bool mins) {
+  const int64_t gpad = (xq.G + 7) / 8 * 8;
+  Avx2X a{xq, gpad, std::vector<float>(mins ? xq.M * gpad : 0, 0.f)};
+  if (mins)
+    for (int64_t r = 0; r < xq.M; ++r)
+      for (int64_t g = 0; g < xq.G; ++g)
+        a.xs[r * gpad + g] = xq.dx[r * xq.G + g] * static_cast<float>(xq.sx[r * xq.G + g]);
+  return a;
+}
+
+// Up to 8 consecutive mins (fp16 or float32) as floats, the rest 0.
+inline __m256 load_mins(const c10::Half* p, int n) {
+  if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) c10::Half h[8] = {};
+  for (int i = 0; i < n; ++i) h[i] = p[i];
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+inline __m256 load_mins(const float* p, int n) {
+  if (n == 8) return _mm256_loadu_ps(p);
+  alignas(32) float f[8] = {};
+  for (int i = 0; i < n; ++i) f[i] = p[i];
+  return _mm256_load_ps(f);
+}
+
+// One output column against R rows of x (rows r0.. of xq), the arithmetic of the header:
+// per group, the integer dot product (minus offset * Sx) in 8 int32 lanes, converted and
+// scaled by d * dx; the min's term as a dot product over groups at the end.
+template <int BITS, bool MIN, int R, typename MT>
+inline void column_avx2(const QuantX& xq, const float* xs, int64_t xs_stride, int64_t r0,
+                        const uint8_t* q,
+                        const c10::Half* s, const MT* m, float* out) {
+  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  constexpr int32_t offset = BITS == 4 && !MIN ? 8 : 0;
+  const int64_t G = xq.G;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  alignas(32) float sf[8];
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int gn = static_cast<int>(G - g0 < 8 ? G - g0 : 8);
+    if (gn == 8) {
+      _mm256_store_ps(sf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g0))));
+    } else {
+      for (int i = 0; i < gn; ++i) sf[i] = to_f32(s[g0 + i]);
+    }
+    for (int i = 0; i < gn; ++i) {
+      const int64_t g = g0 + i;
+      const uint8_t* qg = q + g * gbytes;
+      __m256i wu;  // unsigned weight bytes
+      __m256i wsign;  // int8: the weights, whose signs go onto x
+      if constexpr (BITS == 8) {
+        wsign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg));
+        wu = _mm256_abs_epi8(wsign);
+      } else {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
+        wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * G + g;
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qx.data() + at * kGroup));
+        if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, wsign);
+        __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+        if constexpr (offset != 0)
+          isum = _mm256_sub_epi32(isum, _mm256_castsi128_si256(_mm_cvtsi32_si128(offset * xq.sx[at])));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(sf[i] * xq.dx[at]), acc[r]);
+      }
+    }
+  }
+  if constexpr (MIN) {  // sum_g m_g * dx_g * Sx_g, 8 groups at a time
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      const __m256 mn = load_mins(m + g0, static_cast<int>(G - g0 < 8 ? G - g0 : 8));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + (r0 + r) * xs_stride + g0), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+}
+#endif
+
 template <int BITS, bool MIN, int R, typename T, typename MT, typename XL>
 void rows_pass(T* out, const XL& xl, int64_t r0, int64_t G, int64_t N, const uint8_t* qw,
                const c10::Half* scales, const MT* mins) {
@@ -236,6 +337,9 @@ void rows_pass(T* out, const XL& xl, int64_t r0, int64_t G, int64_t N, const uin
       const MT* mn = MIN ? mins + n * G : nullptr;
 #if defined(NVLLM_A8_VNNI)
       column_vnni<BITS, MIN, R, MT>(xl, r0, G, qw + n * qrow, scales + n * G, mn, acc);
+#elif defined(NVLLM_A8_AVX2)
+      column_avx2<BITS, MIN, R, MT>(xl.xq, xl.xs.data(), xl.gpad, r0, qw + n * qrow,
+                                    scales + n * G, mn, acc);
 #else
       column_scalar<BITS, MIN, R, MT>(xl, r0, qw + n * qrow, scales + n * G, mn, acc);
 #endif
@@ -249,6 +353,8 @@ void run_format(T* out, const QuantX& xq, int64_t N, const uint8_t* qw, const c1
                 const MT* m) {
 #if defined(NVLLM_A8_VNNI)
   const LanesX xl = lanes_x<BITS, MIN>(xq);
+#elif defined(NVLLM_A8_AVX2)
+  const Avx2X xl = avx2_x(xq, MIN);
 #else
   const QuantX& xl = xq;
 #endif
@@ -297,9 +403,9 @@ void quant_linear_a8(at::Tensor out, const at::Tensor& x, const at::Tensor& qwei
   nvllm_cpu::with_mins(mins, go);
 }
 
-// Whether this build has the AVX-512 VNNI loop (else the portable one).
+// Whether this build has a vector loop, AVX-512 VNNI or AVX2 (else the portable one).
 bool quant_a8_vectorized() {
-#if defined(NVLLM_A8_VNNI)
+#if defined(NVLLM_A8_VNNI) || defined(NVLLM_A8_AVX2)
   return true;
 #else
   return false;

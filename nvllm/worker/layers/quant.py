@@ -67,7 +67,7 @@ GROUP = 32
 # torch.mm (the crossovers measured above).
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
 # Up to this many rows of x (by the weight's bits), the int8-activation op
-# (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI: see a8_rows.
+# (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see a8_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
 # NVLLM_QUANT_ACTIVATIONS: "off" (the default: activations stay in the run dtype, results
 # equal dequantize-then-matmul up to float32 summation order), "auto" (the int8-activation
@@ -213,7 +213,7 @@ def a8_rows(fmt: QuantFormat) -> int:
     """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 and takes the
     VNNI op (0: never). The rule: under ``NVLLM_QUANT_ACTIVATIONS=auto``, where it was
     measured faster than the float op (A8_MAX_ROWS, docs/quantization.md's table) and
-    built with AVX-512 VNNI (its portable loop is slower than the float op); never under
+    built with AVX-512 VNNI or AVX2 (its portable loop is slower than the float op); never under
     ``off``, the default (float activations: dequantize-then-matmul, what the
     greedy-equality tests rely on); any row count under ``always``. Read once per
     process."""
