@@ -285,3 +285,75 @@ def decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                                         v_cache, dec.slots, dec.rows, dec.bases, dec.caps,
                                         dec.lens, layer, scale, window or 0,
                                         dec.query_lens)
+
+
+@dataclass(slots=True)
+class PagedRows:
+    """A step the native kernel serves whole in paged mode (no contiguous copies: the
+    runner keeps none, ``cpu_kv_mirror=False``): every sequence brings 1..MAX_QUERIES new
+    tokens and every token has a slot. The int64 vectors it reads, made once per step."""
+
+    rows: torch.Tensor  # each sequence's first row
+    lens: torch.Tensor  # context length after the step
+    query_lens: torch.Tensor | None  # None: one token each
+    slots: torch.Tensor
+    block_tables: torch.Tensor  # int32 [sequences, max_blocks]
+
+
+def paged_rows(meta: AttentionMetadata, k_cache: torch.Tensor, heads: int,
+               kv_heads: int) -> PagedRows | None:
+    """The step's PagedRows, or None when the native kernel does not serve it (a long
+    prompt run, a padding slot, a shape or dtype it lacks, the ops not built); decided by
+    the step's first layer and kept in ``meta.cpu_paged`` for the others."""
+    if meta.cpu_paged is None:
+        meta.cpu_paged = _paged_rows(meta, k_cache, heads, kv_heads) or False
+    return meta.cpu_paged or None
+
+
+def _paged_rows(meta: AttentionMetadata, k_cache: torch.Tensor, heads: int,
+                kv_heads: int) -> PagedRows | None:
+    bs, d = k_cache.shape[1], k_cache.shape[-1]
+    if (k_cache.dtype not in (torch.float32, torch.bfloat16) or d > 256 or bs & (bs - 1)
+            or heads % kv_heads or heads // kv_heads > 16 or meta.num_seqs == 0
+            or k_cache.device.type != "cpu" or not cpu_ops.load()):
+        return None
+    cu = meta.cu_seqlens_q_host
+    qlens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
+    if not all(1 <= n <= cpu_ops.MAX_QUERIES for n in qlens):
+        return None
+    if bool((meta.slot_mapping < 0).any()):
+        return None
+    one_each = all(n == 1 for n in qlens)
+    return PagedRows(torch.tensor(cu[:-1], dtype=torch.long),
+                     torch.tensor(meta.seq_lens_host, dtype=torch.long),
+                     None if one_each else torch.tensor(qlens, dtype=torch.long),
+                     meta.slot_mapping.to(torch.long),
+                     meta.block_tables.to(torch.int32).contiguous())
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor | None:
+    """``attention`` of a step the paged kernel serves (paged_rows), stores included; None
+    when it does not (the caller takes the reference)."""
+    pr = paged_rows(meta, k_cache, q.shape[1], k.shape[1])
+    if pr is None:
+        return None
+    out = torch.empty_like(q)
+    cpu_ops.paged_decode_attention(out, q, k, v, k_cache, v_cache, pr.slots, pr.rows,
+                                   pr.block_tables, pr.lens, scale, window or 0, pr.query_lens)
+    return out
+
+
+def paged_decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     window: int | None = None) -> torch.Tensor | None:
+    """decode_qkv in paged mode: None when the step is not the paged kernel's."""
+    pr = paged_rows(meta, k_cache, heads, kv_heads)
+    if pr is None:
+        return None
+    return cpu_ops.paged_decode_attention_qkv(qkv, positions, cos, sin, heads, kv_heads,
+                                              k_cache, v_cache, pr.slots, pr.rows,
+                                              pr.block_tables, pr.lens, scale, window or 0,
+                                              pr.query_lens)

@@ -154,6 +154,36 @@ def decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.
     return out
 
 
+def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
+                           v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor, rows: torch.Tensor, block_tables: torch.Tensor,
+                           lens: torch.Tensor, scale: float, window: int = 0,
+                           query_lens: torch.Tensor | None = None) -> None:
+    """decode_attention with every sequence's keys and values read from the paged cache
+    through its row of block_tables (int32, the step's metadata's; block_size a power of
+    two) instead of a contiguous copy; every new token needs a slot."""
+    torch.ops.nvllm_cpu.paged_decode_attention(out, q, k_new, v_new, k_cache, v_cache, slots,
+                                               rows, block_tables, lens, scale, window,
+                                               query_lens)
+
+
+def paged_decode_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor, heads: int, kv_heads: int,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slots: torch.Tensor, rows: torch.Tensor,
+                               block_tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                               window: int = 0,
+                               query_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention_qkv in paged mode (as paged_decode_attention)."""
+    out = torch.empty(qkv.shape[0], heads * (qkv.shape[1] // (heads + 2 * kv_heads)),
+                      dtype=qkv.dtype)
+    torch.ops.nvllm_cpu.paged_decode_attention_qkv(out, qkv, positions, cos, sin, heads,
+                                                   kv_heads, k_cache, v_cache, slots, rows,
+                                                   block_tables, lens, scale, window,
+                                                   query_lens)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """reference.rms_norm over the last dim of a 2-D or 3-D x (rows may be strided)."""
     out = torch.empty(x.shape, dtype=x.dtype)

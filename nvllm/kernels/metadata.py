@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from nvllm.kernels.cpu_attention import StepViews
+    from nvllm.kernels.cpu_attention import PagedRows, StepViews
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,6 +36,9 @@ class AttentionMetadata:
     # The CPU backend's views into each sequence's contiguous K/V (cpu_attention): set
     # by the model runner when it keeps those copies; ops.attention dispatches on it.
     cpu_kv: StepViews | None = None
+    # Without those copies, the CPU backend's paged decode rows (cpu_attention.paged_rows:
+    # made by the step's first layer, False when the native kernel does not serve it).
+    cpu_paged: PagedRows | bool | None = None
 
     @property
     def num_seqs(self) -> int:

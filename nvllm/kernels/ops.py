@@ -13,8 +13,10 @@ sequences go to the native kernel). ``uses_cpu_attention`` says
 whether a worker runs it; ``attention`` then picks it per step by the metadata carrying
 its views (``meta.cpu_kv``), not by another backend name: the views exist exactly when
 the runner keeps copies, every other op is the same as torch's (a "cpu" name would only
-alias it), and steps built without views (tests, benchmarks, ``cpu_kv_mirror=False``)
-read the pages through the reference.
+alias it). Steps built without views (``cpu_kv_mirror=False``, tests, benchmarks) read
+the pages: on the cpu backend a decode step (every sequence 1..MAX_QUERIES new tokens)
+goes to the same native kernel in paged mode (``cpu_attention.paged_rows``), any other
+step to the reference.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
     layer indexes the CPU backend's copies (which hold every layer)."""
     if meta.cpu_kv is not None and backend in ("torch", "cpu"):
         return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, scale, layer, window)
+    if backend == "cpu":  # no copies: the native kernel reads the pages of decode steps
+        out = cpu_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        if out is not None:
+            return out
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, backend)
     return paged_attention(q, k_cache, v_cache, meta, scale, backend, window)
 
@@ -97,8 +103,11 @@ def decode_attention_qkv(qkv, positions, cos, sin, num_heads: int, num_kv_heads:
     tables); [T, heads * d], the values split + ``rotary_embedding`` + ``attention`` give.
     None (take that path instead) off the cpu backend or when some row of the step is not
     the native decode kernel's."""
-    if backend != "cpu" or meta.cpu_kv is None:
+    if backend != "cpu":
         return None
+    if meta.cpu_kv is None:
+        return cpu_attention.paged_decode_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads,
+                                              k_cache, v_cache, meta, scale, window)
     return cpu_attention.decode_qkv(qkv, positions, cos, sin, num_heads, num_kv_heads,
                                     k_cache, v_cache, meta, scale, layer, window)
 

@@ -221,7 +221,7 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
 
     t0 = time.perf_counter()
     config = EngineConfig(model=resolve_model(model), **engine_kwargs)
-    engine = engine_builder.build_engine(config, dist)
+    engine = engine_builder.build_engine(config, dist, serving=not (prompts or demo))
     try:
         click.echo(f"engine ready in {time.perf_counter() - t0:.1f}s: {config.model} "
                    f"tp={config.tensor_parallel_size} device={config.device} "

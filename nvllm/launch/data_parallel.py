@@ -321,7 +321,7 @@ def _replica_main(spec: dict[str, Any]) -> None:
     stop = threading.Event()
     stop_on_signals(stop)
     engine = engine_builder.build_engine(EngineConfig(model=spec["model"],
-                                                      **spec["engine_kwargs"]))
+                                                      **spec["engine_kwargs"]), serving=True)
     try:
         server = EngineServer(engine, spec["host"], spec["port"],
                               model_name=spec["served_model_name"],

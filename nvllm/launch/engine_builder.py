@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from nvllm.common.config import DistConfig, EngineConfig
+from nvllm.common.tokenizer import open_tokenizer
 from nvllm.common.transport import ArrayWriter, TransportError
 from nvllm.launch.spawn import start_worker_group
 from nvllm.leader.engine import LLMEngine
@@ -18,12 +19,17 @@ from nvllm.worker.cpu_malloc import release_freed_memory
 logger = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEngine:
+def build_engine(config: EngineConfig, dist: DistConfig | None = None, *,
+                 serving: bool = False) -> LLMEngine:
     """Start the workers `config` describes (placed as `dist` says; default: all on this
     host), wait until their KV cache is allocated, and return the engine driving them.
-    The caller owns it: ``engine.shutdown()`` stops the workers."""
-    from transformers import AutoTokenizer
+    The caller owns it: ``engine.shutdown()`` stops the workers.
 
+    `serving`: the process only serves clients (``nvllm-launch``'s server, a data-parallel
+    replica), so it needs the tokenizer to encode and decode alone, and takes
+    ``open_tokenizer``'s (no torch in the leader where the folder allows); otherwise
+    (``LLM``, the demo) transformers' AutoTokenizer, whose chat templates and API a
+    caller of ``LLM.get_tokenizer`` expects."""
     dist = dist or DistConfig()
     if config.model_info is None:
         config.finalize()
@@ -31,7 +37,8 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEng
         raise ValueError("restart_workers needs every worker on this node: workers on "
                          "other nodes are restarted by their own launcher, not the leader")
     tokenizer = (None if config.skip_tokenizer_init
-                 else AutoTokenizer.from_pretrained(config.source.tokenizer))
+                 else open_tokenizer(config.source.tokenizer) if serving
+                 else _auto_tokenizer(config.source.tokenizer))
     plan_writer = None
     if config.plan_shm and not dist.uses_store:  # every rank is local
         try:
@@ -54,3 +61,9 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None) -> LLMEng
     # heap below glibc's dynamic trim threshold (~28 MiB with SmolLM2-135M's GGUF).
     release_freed_memory()
     return engine
+
+
+def _auto_tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -58,6 +58,26 @@ inline float exp_in_place(float* s, int64_t len) {
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
 
+// Where key (or value) j of one (sequence, KV head) lives, j counted from the first key a
+// query sees: in the sequence's contiguous copy (a row every `stride` elements), or in the
+// paged cache through the sequence's block table (slot blocks[p / bs] * bs + p % bs, a
+// slot every `stride` elements; bs = 1 << shift).
+template <typename T>
+struct KVRows {
+  const T* base;
+  int64_t stride;
+  int64_t first = 0;
+  const int32_t* blocks = nullptr;
+  int shift = 0;
+  inline const T* at(int64_t j) const {
+    const int64_t p = first + j;
+    if (blocks == nullptr) return base + p * stride;
+    const int64_t slot = (static_cast<int64_t>(blocks[p >> shift]) << shift) +
+                         (p & ((int64_t{1} << shift) - 1));
+    return base + slot * stride;
+  }
+};
+
 #ifdef __AVX512F__
 // The AVX-512 path of the scores: 16 keys at a time, each key's dot products with the
 // group's queries accumulated over head_dim in vector lanes (no reduction per key), then
@@ -102,7 +122,8 @@ const __m512i kSumOrder = [] {
 // the output accumulators live in registers, the per-key partial vectors go through a
 // small buffer to the transposing sum.
 template <typename T, int G, int D>
-void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
+void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVRows<T>& v,
+                  int64_t len,
                   float scale, T* out, int64_t out_head_stride, std::vector<float>& scores) {
   constexpr int C = D / 16;
   const __m512 sc = _mm512_set1_ps(scale);
@@ -121,10 +142,11 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
         for (int g = 0; g < G; ++g) part[g][jj] = _mm512_setzero_ps();
         continue;
       }
-      const T* kj = k + (j0 + jj) * D;
-      // The copies are read once per step, from memory: fetch ahead of the loads.
-      for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kj + 16 * D) + b, _MM_HINT_T0);
+      const T* kj = k.at(j0 + jj);
+      // The keys are read once per step, from memory: fetch ahead of the loads.
+      if (j0 + jj + 16 < len)
+        for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(k.at(j0 + jj + 16)) + b, _MM_HINT_T0);
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(kj + c * 16);
       for (int g = 0; g < G; ++g) {
@@ -143,9 +165,10 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    const T* vj = v + j * D;
-    for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(vj + 16 * D) + b, _MM_HINT_T0);
+    const T* vj = v.at(j);
+    if (j + 16 < len)
+      for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(v.at(j + 16)) + b, _MM_HINT_T0);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vj + c * 16);
     for (int g = 0; g < G; ++g) {
@@ -180,7 +203,8 @@ inline __m256 transpose_sum8(const __m256* v) {
 }
 
 template <typename T, int G, int D>
-void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
+void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVRows<T>& v,
+                  int64_t len,
                   float scale, T* out, int64_t out_head_stride, std::vector<float>& scores) {
   constexpr int C = D / 8;
   constexpr int CC = C < 4 ? C : 4;  // value vectors per pass
@@ -200,9 +224,10 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
         for (int g = 0; g < G; ++g) part[g][jj] = _mm256_setzero_ps();
         continue;
       }
-      const T* kj = k + (j0 + jj) * D;
-      for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(kj + 8 * D) + b, _MM_HINT_T0);
+      const T* kj = k.at(j0 + jj);
+      if (j0 + jj + 8 < len)
+        for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(k.at(j0 + jj + 8)) + b, _MM_HINT_T0);
       for (int g = 0; g < G; ++g) {
         __m256 acc = _mm256_mul_ps(_mm256_load_ps(qf[g]), load8(kj));
         for (int c = 1; c < C; ++c)
@@ -220,7 +245,7 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CC; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
-      const T* vj = v + j * D + c0 * 8;
+      const T* vj = v.at(j) + c0 * 8;
       for (int c = 0; c < CC; ++c) {
         const __m256 vv = load8(vj + c * 8);
         for (int g = 0; g < G; ++g)
@@ -240,8 +265,8 @@ void attend_fixed(const T* q, int64_t q_head_stride, const T* k, const T* v, int
 
 // The fixed-shape kernel for (group, d), or nullptr (the generic loop then runs).
 template <typename T>
-using AttendFn = void (*)(const T*, int64_t, const T*, const T*, int64_t, float, T*, int64_t,
-                          std::vector<float>&);
+using AttendFn = void (*)(const T*, int64_t, const KVRows<T>&, const KVRows<T>&, int64_t,
+                          float, T*, int64_t, std::vector<float>&);
 
 template <typename T>
 AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
@@ -257,7 +282,8 @@ AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
 #endif  // NVLLM_ATTN_FIXED
 
 template <typename T>
-void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t len,
+void attend_one(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVRows<T>& v,
+                int64_t len,
                 int64_t group, int64_t d, float scale, T* out, int64_t out_head_stride,
                 std::vector<float>& scores) {
   float qf[kMaxGroup][kMaxHeadDim];
@@ -266,7 +292,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
   scores.resize(static_cast<size_t>(group * len));
   float* s = scores.data();
   for (int64_t j = 0; j < len; ++j) {
-    const T* kj = k + j * d;
+    const T* kj = k.at(j);
     float kf[kMaxHeadDim];
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kj[i]);
@@ -286,7 +312,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
     for (int64_t i = 0; i < d; ++i) acc[g][i] = 0.f;
   }
   for (int64_t j = 0; j < len; ++j) {
-    const T* vj = v + j * d;
+    const T* vj = v.at(j);
     float vf[kMaxHeadDim];
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vj[i]);
@@ -331,6 +357,12 @@ struct Rope {  // positions of the step's tokens and the [max_pos, d] float32 ta
   const float* sin = nullptr;
 };
 
+struct Paging {  // paged mode: keys and values read through the block tables, no copies
+  const int32_t* tables = nullptr;  // [sequences, stride] (nullptr: the contiguous copies)
+  int64_t stride = 0;
+  int shift = 0;  // log2(block_size)
+};
+
 struct Queries {  // each sequence's new tokens: rows[b] .. rows[b] + qlens[b] - 1
   const int64_t* row = nullptr;
   const int64_t* qlen = nullptr;   // nullptr: one token each
@@ -340,8 +372,8 @@ struct Queries {  // each sequence's new tokens: rows[b] .. rows[b] + qlens[b] -
 };
 
 // Sequence b's work for KV head h: store its new keys and values (rotated first when
-// rope.pos is set) in its buffer and the paged cache, then attend each query over its
-// causal prefix. Each query is one call of the one-query routine, so query j of a
+// rope.pos is set) in its buffer (paged mode: none) and the paged cache, then attend each
+// query over its causal prefix, read from the buffer or through the block table. Each query is one call of the one-query routine, so query j of a
 // verify run computes exactly what decoding that token alone would.
 template <typename T>
 void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0,
@@ -349,12 +381,13 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
               int64_t vs1, int64_t kv_heads, int64_t group, int64_t d, T* kc, T* vc,
               const int64_t* slot, const Queries& qs, const int64_t* base, const int64_t* cap,
               const int64_t* len, int64_t layer, float scale, int64_t window, Rope rope,
-              std::vector<float>& scores) {
+              const Paging& paging, std::vector<float>& scores) {
   T k_rot[kMaxHeadDim];
   T q_rot[kMaxGroup * kMaxHeadDim];
-  T* buf = reinterpret_cast<T*>(base[b]);
-  T* k = buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
-  T* v = buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
+  const bool paged = paging.tables != nullptr;
+  T* buf = paged ? nullptr : reinterpret_cast<T*>(base[b]);
+  T* k = paged ? nullptr : buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
+  T* v = paged ? nullptr : buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
   const int64_t nq = qs.len(b), past = len[b] - nq;
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t r = qs.row[b] + j, sl = slot[qs.slot0(b) + j];
@@ -364,8 +397,10 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
       rope_row<T>(k_rot, kb, rope.cos + rope.pos[r] * d, rope.sin + rope.pos[r] * d, d);
       kb = k_rot;
     }
-    append<T>(k + (past + j) * d, kb, d);
-    append<T>(v + (past + j) * d, vb, d);
+    if (!paged) {
+      append<T>(k + (past + j) * d, kb, d);
+      append<T>(v + (past + j) * d, vb, d);
+    }
     if (sl >= 0) {  // the paged cache too: prefix hits and rebuilt copies read it
       append<T>(kc + (sl * kv_heads + h) * d, kb, d);
       append<T>(vc + (sl * kv_heads + h) * d, vb, d);
@@ -374,6 +409,12 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
 #ifdef NVLLM_ATTN_FIXED
   const AttendFn<T> fixed = fixed_kernel<T>(group, d);
 #endif
+  KVRows<T> kr{k, d}, vr{v, d};
+  if (paged) {
+    const int32_t* table = paging.tables + b * paging.stride;
+    kr = KVRows<T>{kc + h * d, kv_heads * d, 0, table, paging.shift};
+    vr = KVRows<T>{vc + h * d, kv_heads * d, 0, table, paging.shift};
+  }
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t r = qs.row[b] + j;
     const T* qh = qp + r * qs0 + h * group * qs1;
@@ -389,14 +430,14 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
     // Query j sees keys 0 .. past + j; a sliding window only moves the first of them.
     const int64_t seen = past + j + 1;
     const int64_t first = window > 0 && seen > window ? seen - window : 0;
+    kr.first = vr.first = first;
 #ifdef NVLLM_ATTN_FIXED
     if (fixed != nullptr) {
-      fixed(qh, q_stride, k + first * d, v + first * d, seen - first, scale, oh, os1, scores);
+      fixed(qh, q_stride, kr, vr, seen - first, scale, oh, os1, scores);
       continue;
     }
 #endif
-    attend_one<T>(qh, q_stride, k + first * d, v + first * d, seen - first, group, d, scale,
-                  oh, os1, scores);
+    attend_one<T>(qh, q_stride, kr, vr, seen - first, group, d, scale, oh, os1, scores);
   }
 }
 
@@ -406,7 +447,7 @@ void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1,
          int64_t kv_heads, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
          const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
          const at::Tensor& caps, const at::Tensor& lens, const Queries& qs, int64_t layer,
-         double scale, int64_t window, Rope rope) {
+         double scale, int64_t window, Rope rope, const Paging& paging) {
   const int64_t n = rows.size(0);
   const int64_t group = heads / kv_heads;
   const int64_t* len = lens.data_ptr<int64_t>();
@@ -419,7 +460,7 @@ void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1,
                   vs0, vs1, kv_heads, group, d, reinterpret_cast<T*>(k_cache.data_ptr()),
                   reinterpret_cast<T*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), qs,
                   bases.data_ptr<int64_t>(), caps.data_ptr<int64_t>(), len, layer,
-                  static_cast<float>(scale), window, rope, scores);
+                  static_cast<float>(scale), window, rope, paging, scores);
   };
   if (2 * keys * heads * d < kSerialWork)
     task(0, n * kv_heads);
@@ -513,12 +554,12 @@ Queries check_rows(const at::Tensor& rows, const std::optional<at::Tensor>& quer
 // (causal: query j sees lens[b] - m + j + 1 of them; the last `window` of those when
 // window > 0: sliding-window attention; 0: all). The caller guarantees the buffers
 // (cpu_attention.CpuKVStore); rows, query_lens, lens and slots are checked (check_rows).
-void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
-                      const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
-                      const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
-                      const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
-                      double scale, int64_t window,
-                      const std::optional<at::Tensor>& query_lens) {
+void attention_impl(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
+                    const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
+                    const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
+                    double scale, int64_t window, const std::optional<at::Tensor>& query_lens,
+                    const Paging& paging) {
   const int64_t kv_heads = k_new.size(1), heads = q.size(1), d = q.size(2);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_new, &v_new})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->size(2) == q.size(2) &&
@@ -539,7 +580,7 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
     run<T>(ptr<T>(out), out.stride(0), out.stride(1), ptr<T>(q), q.stride(0), q.stride(1),
            ptr<T>(k_new), k_new.stride(0), k_new.stride(1), ptr<T>(v_new), v_new.stride(0),
            v_new.stride(1), heads, kv_heads, d, k_cache, v_cache, slots, rows, bases, caps,
-           lens, qs, layer, scale, window, Rope{});
+           lens, qs, layer, scale, window, Rope{}, paging);
   };
   if (q.scalar_type() == at::kFloat)
     go(float{});
@@ -554,13 +595,13 @@ void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_n
 // [max_pos, d] cos and sin tables), as rotary_embedding would rotate them; out:
 // [tokens, heads * d] contiguous. One call does what the split, the rotary op and
 // decode_attention did.
-void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tensor& positions,
-                          const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                          int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
-                          const at::Tensor& slots, const at::Tensor& rows,
-                          const at::Tensor& bases, const at::Tensor& caps,
-                          const at::Tensor& lens, int64_t layer, double scale, int64_t window,
-                          const std::optional<at::Tensor>& query_lens) {
+void attention_qkv_impl(at::Tensor out, const at::Tensor& qkv, const at::Tensor& positions,
+                        const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                        int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
+                        const at::Tensor& slots, const at::Tensor& rows,
+                        const at::Tensor& bases, const at::Tensor& caps,
+                        const at::Tensor& lens, int64_t layer, double scale, int64_t window,
+                        const std::optional<at::Tensor>& query_lens, const Paging& paging) {
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 &&
                   heads / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
@@ -598,12 +639,102 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
     const T* x = ptr<T>(qkv);
     run<T>(ptr<T>(out), out.stride(0), d, x, s0, d, x + heads * d, s0, d,
            x + (heads + kv_heads) * d, s0, d, heads, kv_heads, d, k_cache, v_cache, slots,
-           rows, bases, caps, lens, qs, layer, scale, window, rope);
+           rows, bases, caps, lens, qs, layer, scale, window, rope, paging);
   };
   if (qkv.scalar_type() == at::kFloat)
     go(float{});
   else
     go(uint16_t{});
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
+                      const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& bases,
+                      const at::Tensor& caps, const at::Tensor& lens, int64_t layer,
+                      double scale, int64_t window,
+                      const std::optional<at::Tensor>& query_lens) {
+  attention_impl(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens, layer,
+                 scale, window, query_lens, Paging{});
+}
+
+void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tensor& positions,
+                          const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                          int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& slots, const at::Tensor& rows,
+                          const at::Tensor& bases, const at::Tensor& caps,
+                          const at::Tensor& lens, int64_t layer, double scale, int64_t window,
+                          const std::optional<at::Tensor>& query_lens) {
+  attention_qkv_impl(out, qkv, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots,
+                     rows, bases, caps, lens, layer, scale, window, query_lens, Paging{});
+}
+
+// Paged mode: each sequence's keys and values are read from the paged cache through its
+// row of block_tables (int32 [sequences, max_blocks], as the step's metadata holds them;
+// block_size a power of two), so no contiguous copy exists. Checked here: every block a
+// sequence's length reaches is inside the table and the cache, and every new token has a
+// slot (the kernel reads it back from the cache). Returns the paging, and fills caps (the
+// table's reach, for check_rows) and bases (unused).
+Paging check_paging(const at::Tensor& block_tables, const at::Tensor& k_cache,
+                    const at::Tensor& lens, const at::Tensor& slots, at::Tensor& caps,
+                    at::Tensor& bases) {
+  const int64_t n = lens.size(0), bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "paged decode attention needs a power-of-two "
+              "block_size, not ", bs);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && block_tables.size(0) == n,
+              "block_tables must be contiguous int32 [sequences, max_blocks]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.dim() == 1,
+              "lens must be an int64 vector");
+  const int64_t stride = block_tables.size(1);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t used = (len[b] + bs - 1) / bs;
+    TORCH_CHECK(used <= stride, "lens[", b, "] = ", len[b], " needs ", used,
+                " blocks; block_tables has ", stride);
+    for (int64_t i = 0; i < used; ++i)
+      TORCH_CHECK(bt[b * stride + i] >= 0 && bt[b * stride + i] < num_blocks,
+                  "block_tables[", b, ", ", i, "] = ", bt[b * stride + i],
+                  " is outside the paged cache (", num_blocks, " blocks)");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 vector");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(slot[i] >= 0, "slots[", i, "] = ", slot[i], ": paged decode attention "
+                "reads every new token back from the cache, so each needs a slot");
+  caps = at::full({n}, stride * bs, at::kLong);
+  bases = at::zeros({n}, at::kLong);
+  int shift = 0;
+  while ((int64_t{1} << shift) < bs) ++shift;
+  return Paging{bt, stride, shift};
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
+                            const at::Tensor& v_new, at::Tensor k_cache, at::Tensor v_cache,
+                            const at::Tensor& slots, const at::Tensor& rows,
+                            const at::Tensor& block_tables, const at::Tensor& lens,
+                            double scale, int64_t window,
+                            const std::optional<at::Tensor>& query_lens) {
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, kv_heads, d]");
+  at::Tensor caps, bases;
+  const Paging paging = check_paging(block_tables, k_cache, lens, slots, caps, bases);
+  attention_impl(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens, 0,
+                 scale, window, query_lens, paging);
+}
+
+void paged_decode_attention_qkv(at::Tensor out, const at::Tensor& qkv,
+                                const at::Tensor& positions, const at::Tensor& cos,
+                                const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                                const at::Tensor& rows, const at::Tensor& block_tables,
+                                const at::Tensor& lens, double scale, int64_t window,
+                                const std::optional<at::Tensor>& query_lens) {
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, kv_heads, d]");
+  at::Tensor caps, bases;
+  const Paging paging = check_paging(block_tables, k_cache, lens, slots, caps, bases);
+  attention_qkv_impl(out, qkv, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots,
+                     rows, bases, caps, lens, 0, scale, window, query_lens, paging);
 }
 
 }  // namespace
@@ -617,9 +748,19 @@ TORCH_LIBRARY(nvllm_cpu, m) {
         "Tensor sin, int heads, int kv_heads, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slots, Tensor rows, Tensor bases, Tensor caps, Tensor lens, int layer, "
         "float scale, int window=0, Tensor? query_lens=None) -> ()");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor rows, "
+        "Tensor block_tables, Tensor lens, float scale, int window=0, "
+        "Tensor? query_lens=None) -> ()");
+  m.def("paged_decode_attention_qkv(Tensor(a!) out, Tensor qkv, Tensor positions, "
+        "Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor slots, Tensor rows, Tensor block_tables, Tensor lens, "
+        "float scale, int window=0, Tensor? query_lens=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvllm_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_qkv", &decode_attention_qkv);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_qkv", &paged_decode_attention_qkv);
 }

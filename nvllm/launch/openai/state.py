@@ -85,9 +85,10 @@ class GatewayState:
         path = self.cfg.tokenizer or str(info.get("model_path") or info["model"])
 
         def load() -> Any:
-            from transformers import AutoTokenizer
+            # the tokenizers library alone where that is exact: no torch in the gateway
+            from nvllm.common.tokenizer import open_tokenizer
 
-            return AutoTokenizer.from_pretrained(path)
+            return open_tokenizer(path)
 
         try:
             return await asyncio.to_thread(load)
