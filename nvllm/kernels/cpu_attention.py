@@ -289,21 +289,25 @@ def decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 @dataclass(slots=True)
 class PagedRows:
-    """A step the native kernel serves whole in paged mode (no contiguous copies: the
-    runner keeps none, ``cpu_kv_mirror=False``): every sequence brings 1..MAX_QUERIES new
-    tokens and every token has a slot. The int64 vectors it reads, made once per step."""
+    """The sequences of a step the native kernel serves in paged mode (no contiguous
+    copies: the runner keeps none, ``cpu_kv_mirror=False``): those with 1..MAX_QUERIES new
+    tokens (decodes, verify rows, short prompt chunks). The int64 vectors it reads, made
+    once per step by its first layer; ``seqs`` are their indices in the step and
+    ``all_rows`` whether they are every row (else the others go to SDPA)."""
 
-    rows: torch.Tensor  # each sequence's first row
+    seqs: list[int]
+    rows: torch.Tensor  # each one's first row
     lens: torch.Tensor  # context length after the step
     query_lens: torch.Tensor | None  # None: one token each
     slots: torch.Tensor
-    block_tables: torch.Tensor  # int32 [sequences, max_blocks]
+    block_tables: torch.Tensor  # int32 [len(seqs), max_blocks]
+    all_rows: bool
 
 
 def paged_rows(meta: AttentionMetadata, k_cache: torch.Tensor, heads: int,
                kv_heads: int) -> PagedRows | None:
-    """The step's PagedRows, or None when the native kernel does not serve it (a long
-    prompt run, a padding slot, a shape or dtype it lacks, the ops not built); decided by
+    """The step's PagedRows, or None when the native kernel serves none of it (only long
+    prompt runs, a padding slot, a shape or dtype it lacks, the ops not built); decided by
     the step's first layer and kept in ``meta.cpu_paged`` for the others."""
     if meta.cpu_paged is None:
         meta.cpu_paged = _paged_rows(meta, k_cache, heads, kv_heads) or False
@@ -318,30 +322,57 @@ def _paged_rows(meta: AttentionMetadata, k_cache: torch.Tensor, heads: int,
             or k_cache.device.type != "cpu" or not cpu_ops.load()):
         return None
     cu = meta.cu_seqlens_q_host
-    qlens = [cu[i + 1] - cu[i] for i in range(meta.num_seqs)]
-    if not all(1 <= n <= cpu_ops.MAX_QUERIES for n in qlens):
+    seqs = [i for i in range(meta.num_seqs) if 1 <= cu[i + 1] - cu[i] <= cpu_ops.MAX_QUERIES]
+    if not seqs:
         return None
-    if bool((meta.slot_mapping < 0).any()):
+    qlens = [cu[i + 1] - cu[i] for i in seqs]
+    all_rows = len(seqs) == meta.num_seqs
+    if all_rows:
+        slots, tables = meta.slot_mapping, meta.block_tables
+    else:
+        token_rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs])
+        index = torch.tensor(seqs, dtype=torch.long)
+        slots, tables = meta.slot_mapping[token_rows], meta.block_tables[index]
+    if bool((slots < 0).any()):
         return None
-    one_each = all(n == 1 for n in qlens)
-    return PagedRows(torch.tensor(cu[:-1], dtype=torch.long),
-                     torch.tensor(meta.seq_lens_host, dtype=torch.long),
-                     None if one_each else torch.tensor(qlens, dtype=torch.long),
-                     meta.slot_mapping.to(torch.long),
-                     meta.block_tables.to(torch.int32).contiguous())
+    return PagedRows(seqs, torch.tensor([cu[i] for i in seqs], dtype=torch.long),
+                     torch.tensor([meta.seq_lens_host[i] for i in seqs], dtype=torch.long),
+                     None if all(n == 1 for n in qlens) else torch.tensor(qlens,
+                                                                          dtype=torch.long),
+                     slots.to(torch.long), tables.to(torch.int32).contiguous(), all_rows)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None = None) -> torch.Tensor | None:
-    """``attention`` of a step the paged kernel serves (paged_rows), stores included; None
-    when it does not (the caller takes the reference)."""
+    """``attention`` reading the pages, stores included: the paged kernel for its
+    sequences (paged_rows), SDPA over gathered pages for the others (the reference's
+    arithmetic); None when the kernel serves none (the caller takes the reference)."""
     pr = paged_rows(meta, k_cache, q.shape[1], k.shape[1])
     if pr is None:
         return None
+    if not pr.all_rows:  # the others' K/V (the kernel stores its own, again: harmless)
+        reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     cpu_ops.paged_decode_attention(out, q, k, v, k_cache, v_cache, pr.slots, pr.rows,
                                    pr.block_tables, pr.lens, scale, window or 0, pr.query_lens)
+    if not pr.all_rows:
+        cu = meta.cu_seqlens_q_host
+
+        def kv_of(i: int, first: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+            first -= first % k_cache.shape[1]
+            return (*reference.gather_kv(k_cache, v_cache, meta, i, first), first)
+
+        native = set(pr.seqs)
+        for i in range(meta.num_seqs):
+            a, b = cu[i], cu[i + 1]
+            if i in native or a == b:
+                continue
+            ctx = meta.seq_lens_host[i]
+            ki, vi, first = reference.visible_kv(kv_of, i, ctx, b - a, window)
+            o = reference.attend_run(q[a:b].transpose(0, 1).unsqueeze(0), ki, vi, ctx,
+                                     scale, window, first)
+            out[a:b] = o[0].transpose(0, 1)
     return out
 
 
@@ -349,9 +380,10 @@ def paged_decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                      sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                      window: int | None = None) -> torch.Tensor | None:
-    """decode_qkv in paged mode: None when the step is not the paged kernel's."""
+    """decode_qkv in paged mode: None unless the paged kernel serves every row of the step
+    (the caller then splits, rotates and calls ``attention``)."""
     pr = paged_rows(meta, k_cache, heads, kv_heads)
-    if pr is None:
+    if pr is None or not pr.all_rows:
         return None
     return cpu_ops.paged_decode_attention_qkv(qkv, positions, cos, sin, heads, kv_heads,
                                               k_cache, v_cache, pr.slots, pr.rows,

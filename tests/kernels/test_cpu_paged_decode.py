@@ -151,21 +151,26 @@ def test_paged_mode_refuses_what_would_read_out_of_bounds(change, match):
 
 def test_a_runner_without_copies_decodes_through_the_paged_kernel(tiny, monkeypatch):
     """ModelRunner with cpu_kv_mirror off: decode steps go to the paged kernel (counted),
-    mixed steps to the reference, and the greedy tokens equal those of a runner keeping
+    the first step's 7-token prompt too while its 19-token one goes to SDPA, and the greedy tokens equal those of a runner keeping
     copies, over prompts that span several blocks."""
     from nvllm.common import worker_protocol as protocol
     from nvllm.common.config import EngineConfig
     from nvllm.worker.model_runner import ModelRunner
     from nvllm.worker.parallel import TPContext
 
-    calls = []
-    real = cpu_ops.paged_decode_attention_qkv
+    calls, mixed = [], []
+    real, real_mixed = cpu_ops.paged_decode_attention_qkv, cpu_ops.paged_decode_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
+    def counted_mixed(*args, **kwargs):
+        mixed.append(1)
+        return real_mixed(*args, **kwargs)
+
     monkeypatch.setattr(cpu_ops, "paged_decode_attention_qkv", counted)
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", counted_mixed)
     greedy = protocol.WorkerSampling()
     prompts = {1: list(range(3, 22)), 2: list(range(40, 47))}
     results = []
@@ -192,6 +197,7 @@ def test_a_runner_without_copies_decodes_through_the_paged_kernel(tiny, monkeypa
             res = runner.execute(protocol.StepPlan.of(step, [], running, []))
         results.append(out)
         if mirror:
-            assert not calls
+            assert not calls and not mixed
     assert results[0] == results[1]
+    assert len(mixed) == 2  # the prefill step, in each of the two layers
     assert len(calls) >= 12 * 2  # every decode step, in every layer

@@ -129,7 +129,7 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
 
     engine = SimpleNamespace(executor=SimpleNamespace(group=SimpleNamespace(pids=[])),
                              shutdown=lambda: None)
-    monkeypatch.setattr(engine_builder, "build_engine", lambda config, dist: engine)
+    monkeypatch.setattr(engine_builder, "build_engine", lambda config, dist, **kw: engine)
 
     class FakeServer:
         def __init__(self, *a, **kw) -> None:

@@ -26,7 +26,7 @@ def llm_kwargs(monkeypatch):
     EngineConfig fields it was given."""
     seen = {}
 
-    def fake_build(config, dist=None):
+    def fake_build(config, dist=None, serving=False):
         seen.update(model=config.model, dist=dist, kwargs={f.name: getattr(config, f.name)
                                                            for f in SETTINGS})
         raise Captured
