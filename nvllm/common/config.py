@@ -184,7 +184,8 @@ class EngineConfig:
     cpu_kv_mirror: bool = _setting(
         True, "CPU, torch/cpu backends: keep each running sequence's K/V also contiguous (within "
               "the cpu_kv_cache_gib budget again), so attention stops re-gathering paged "
-              "blocks.")
+              "blocks; off, the cpu backend's decode kernel reads the pages in place and "
+              "only prompt runs gather them (the KV cache is then held once).")
     cpu_onednn_linear: bool = _setting(
         True, "CPU, float32: linear weights packed in oneDNN's layout (faster at decode "
               "sizes).")

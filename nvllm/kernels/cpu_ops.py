@@ -42,7 +42,7 @@ SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
            CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp"]
 # part of the build's key, not compiled on their own
-HEADERS = [CSRC / "bf16.h", CSRC / "quant_args.h"]
+HEADERS = [CSRC / "bf16.h", CSRC / "quant_args.h", CSRC / "attend_kernels.h"]
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
 # computes no infinities or NaNs on purpose (scores are finite, softmax subtracts the max).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

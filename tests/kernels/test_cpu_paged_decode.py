@@ -151,8 +151,8 @@ def test_paged_mode_refuses_what_would_read_out_of_bounds(change, match):
 
 def test_a_runner_without_copies_decodes_through_the_paged_kernel(tiny, monkeypatch):
     """ModelRunner with cpu_kv_mirror off: decode steps go to the paged kernel (counted),
-    the first step's 7-token prompt too while its 19-token one goes to SDPA, and the greedy tokens equal those of a runner keeping
-    copies, over prompts that span several blocks."""
+    the first step's 7-token prompt too while its 19-token one goes to SDPA, and the
+    greedy tokens equal those of a runner keeping copies, over prompts spanning blocks."""
     from nvllm.common import worker_protocol as protocol
     from nvllm.common.config import EngineConfig
     from nvllm.worker.model_runner import ModelRunner
