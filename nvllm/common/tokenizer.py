@@ -20,6 +20,7 @@ template variables, as transformers does; the HTTP gateway renders chats with it
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 from dataclasses import dataclass
@@ -123,12 +124,10 @@ class FastTokenizer:
 
     def __deepcopy__(self, memo: dict) -> FastTokenizer:
         # A copy per thread (the server's tokenizing thread): the Rust tokenizer is
-        # cloned through its JSON, the rest is immutable.
-        other = object.__new__(FastTokenizer)
-        other.folder, other.name_or_path = self.folder, self.name_or_path
-        other.special_tokens_map, other.chat_template = self.special_tokens_map, self.chat_template
+        # cloned through its JSON, the rest is immutable and shared.
         from tokenizers import Tokenizer
 
+        other = copy.copy(self)
         other.backend_tokenizer = Tokenizer.from_str(self.backend_tokenizer.to_str())
         return other
 
@@ -180,10 +179,10 @@ def generic_config(folder: str | pathlib.Path) -> dict[str, Any] | None:
     return config
 
 
-def open_tokenizer(folder: str | pathlib.Path) -> Any:
-    """The tokenizer of a local folder: FastTokenizer where it is exact, else
-    transformers' AutoTokenizer."""
-    config = generic_config(folder)
+def open_tokenizer(folder: str | pathlib.Path, *, light: bool = True) -> Any:
+    """The tokenizer of a local folder: FastTokenizer where it is exact (and `light`),
+    else transformers' AutoTokenizer."""
+    config = generic_config(folder) if light else None
     if config is not None:
         return FastTokenizer(folder, config)
     from transformers import AutoTokenizer

@@ -247,16 +247,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     cpu_ops.decode_attention(out, q, k, v, k_cache, v_cache, dec.slots, dec.rows, dec.bases,
                              dec.caps, dec.lens, layer, scale, window or 0, dec.query_lens)
     if len(dec.seqs) < meta.num_seqs:
-        native = set(dec.seqs)
-        for i in range(meta.num_seqs):
-            if i not in native and lens[i]:
-                a, b = cu[i], cu[i + 1]
-                ctx = meta.seq_lens_host[i]
-                ki, vi, first = reference.visible_kv(kv_of, i, ctx, b - a, window)
-                o = reference.attend_run(q[a:b].transpose(0, 1).unsqueeze(0), ki, vi,
-                                         ctx, scale, window, first)
-                out[a:b] = o[0].transpose(0, 1)
+        _attend_the_rest(out, q, meta, set(dec.seqs), kv_of, scale, window)
     return out
+
+
+def _attend_the_rest(out: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata,
+                     native: set[int], kv_of, scale: float, window: int | None) -> None:
+    """out's rows of the sequences the native kernel did not serve (not in `native`):
+    SDPA over the K/V kv_of reads, the reference's arithmetic."""
+    cu = meta.cu_seqlens_q_host
+    for i in range(meta.num_seqs):
+        a, b = cu[i], cu[i + 1]
+        if i in native or a == b:
+            continue
+        ctx = meta.seq_lens_host[i]
+        ki, vi, first = reference.visible_kv(kv_of, i, ctx, b - a, window)
+        o = reference.attend_run(q[a:b].transpose(0, 1).unsqueeze(0), ki, vi, ctx, scale,
+                                 window, first)
+        out[a:b] = o[0].transpose(0, 1)
 
 
 def _all_rows(dec: DecodeRows, meta: AttentionMetadata, tokens: int) -> bool:
@@ -357,22 +365,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     cpu_ops.paged_decode_attention(out, q, k, v, k_cache, v_cache, pr.slots, pr.rows,
                                    pr.block_tables, pr.lens, scale, window or 0, pr.query_lens)
     if not pr.all_rows:
-        cu = meta.cu_seqlens_q_host
 
         def kv_of(i: int, first: int) -> tuple[torch.Tensor, torch.Tensor, int]:
             first -= first % k_cache.shape[1]
             return (*reference.gather_kv(k_cache, v_cache, meta, i, first), first)
 
-        native = set(pr.seqs)
-        for i in range(meta.num_seqs):
-            a, b = cu[i], cu[i + 1]
-            if i in native or a == b:
-                continue
-            ctx = meta.seq_lens_host[i]
-            ki, vi, first = reference.visible_kv(kv_of, i, ctx, b - a, window)
-            o = reference.attend_run(q[a:b].transpose(0, 1).unsqueeze(0), ki, vi, ctx,
-                                     scale, window, first)
-            out[a:b] = o[0].transpose(0, 1)
+        _attend_the_rest(out, q, meta, set(pr.seqs), kv_of, scale, window)
     return out
 
 

@@ -37,8 +37,7 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None, *,
         raise ValueError("restart_workers needs every worker on this node: workers on "
                          "other nodes are restarted by their own launcher, not the leader")
     tokenizer = (None if config.skip_tokenizer_init
-                 else open_tokenizer(config.source.tokenizer) if serving
-                 else _auto_tokenizer(config.source.tokenizer))
+                 else open_tokenizer(config.source.tokenizer, light=serving))
     plan_writer = None
     if config.plan_shm and not dist.uses_store:  # every rank is local
         try:
@@ -61,9 +60,3 @@ def build_engine(config: EngineConfig, dist: DistConfig | None = None, *,
     # heap below glibc's dynamic trim threshold (~28 MiB with SmolLM2-135M's GGUF).
     release_freed_memory()
     return engine
-
-
-def _auto_tokenizer(folder: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)

@@ -396,6 +396,7 @@ void decode_attention_qkv(at::Tensor out, const at::Tensor& qkv, const at::Tenso
 Paging check_paging(const at::Tensor& block_tables, const at::Tensor& k_cache,
                     const at::Tensor& lens, const at::Tensor& slots, at::Tensor& caps,
                     at::Tensor& bases) {
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, kv_heads, d]");
   const int64_t n = lens.size(0), bs = k_cache.size(1), num_blocks = k_cache.size(0);
   TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "paged decode attention needs a power-of-two "
               "block_size, not ", bs);
@@ -435,7 +436,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             const at::Tensor& block_tables, const at::Tensor& lens,
                             double scale, int64_t window,
                             const std::optional<at::Tensor>& query_lens) {
-  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, kv_heads, d]");
   at::Tensor caps, bases;
   const Paging paging = check_paging(block_tables, k_cache, lens, slots, caps, bases);
   attention_impl(out, q, k_new, v_new, k_cache, v_cache, slots, rows, bases, caps, lens, 0,
@@ -449,7 +449,6 @@ void paged_decode_attention_qkv(at::Tensor out, const at::Tensor& qkv,
                                 const at::Tensor& rows, const at::Tensor& block_tables,
                                 const at::Tensor& lens, double scale, int64_t window,
                                 const std::optional<at::Tensor>& query_lens) {
-  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, kv_heads, d]");
   at::Tensor caps, bases;
   const Paging paging = check_paging(block_tables, k_cache, lens, slots, caps, bases);
   attention_qkv_impl(out, qkv, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots,

@@ -108,12 +108,6 @@ inline void dequant_group(const uint8_t* q, float s, float m, __m256 (&w)[4]) {
   }
 }
 
-inline float hsum8(__m256 v) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
-}
 #endif
 
 // One group's 32 values into w (float32), the arithmetic of dot_column.
@@ -207,7 +201,8 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
       }
     }
   }
-  for (int r = 0; r < R; ++r) acc_out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  for (int r = 0; r < R; ++r)
+    acc_out[r] = nvllm_cpu::hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 #else
 // Portable: the same arithmetic, one group dequantized into a float buffer at a time.

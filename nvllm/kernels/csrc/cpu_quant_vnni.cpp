@@ -234,13 +234,6 @@ inline void column_vnni(const LanesX& lx, int64_t r0, int64_t G, const uint8_t* 
 #endif
 
 #if defined(NVLLM_A8_AVX2)
-inline float hsum8(__m256 v) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
-}
-
 struct Avx2X {  // x as quantized, and its min terms
   const QuantX& xq;
   int64_t gpad;           // G rounded up to 8
@@ -323,7 +316,7 @@ inline void column_avx2(const QuantX& xq, const float* xs, int64_t xs_stride, in
         acc[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + (r0 + r) * xs_stride + g0), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = nvllm_cpu::hsum8(acc[r]);
 }
 #endif
 

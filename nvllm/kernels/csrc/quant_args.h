@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace nvllm_cpu {
 
 constexpr int64_t kQuantGroup = 32;
@@ -57,5 +61,15 @@ void with_rows(int64_t rows, F&& f) {
     default: f(std::integral_constant<int, 8>{}); break;
   }
 }
+
+#if defined(__AVX2__)
+// The sum of a vector's 8 lanes (both ops' AVX2 loops).
+inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+#endif
 
 }  // namespace nvllm_cpu
