@@ -101,9 +101,36 @@ class _Link:
         return self.down_since is not None and time.monotonic() - self.down_since > LINK_GRACE_S
 
 
+class _Boots:
+    """Which server process answers: ``pong`` carries a random id per server process, and
+    a change means the connection came back to a new one (restarted on the same port),
+    which never had the requests sent before. Those fail at once, whatever the timing of
+    the reconnect; the link's grace alone misses a server back within it."""
+
+    def __init__(self) -> None:
+        self.boot: str | None = None
+        self.epoch = 0  # how many changes seen; a request remembers the one it was sent in
+
+    def saw(self, boot: str) -> bool:
+        """Record a pong's id; true when it names a new server process."""
+        changed = bool(boot) and self.boot is not None and boot != self.boot
+        if boot:
+            self.epoch += changed
+            self.boot = boot
+        return changed
+
+
+def _restarted(endpoint: str) -> str:
+    return (f"the server at {endpoint} restarted; the requests it had in flight were lost "
+            f"with it (send them again)")
+
+
 def _connect(ctx: zmq.Context, endpoint: str, timeout_s: float,
-             curve_key_dir: str | os.PathLike | None) -> zmq.Socket:
+             curve_key_dir: str | os.PathLike | None) -> tuple[zmq.Socket, zmq.Socket]:
+    """The DEALER socket and its monitor, attached before connecting: a connection made
+    before the monitor was would never count as up, so its loss would go unseen."""
     sock = ctx.socket(zmq.DEALER)
+    monitor = None
     sock.setsockopt(zmq.LINGER, 0)
     # One random identity per client object, kept across reconnects: the leader
     # (ROUTER_HANDOVER) hands the new connection this client's streams, and nobody can
@@ -115,12 +142,16 @@ def _connect(ctx: zmq.Context, endpoint: str, timeout_s: float,
     try:
         if curve_key_dir is not None:  # keys must be set before connect
             curve_client(sock, curve_key_dir)
+        monitor = sock.get_monitor_socket(_LINK_EVENTS)
         sock.connect(endpoint)
     except BaseException:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
         sock.close(0)
         ctx.term()
         raise
-    return sock
+    return sock, monitor
 
 
 def _no_answer_hint(endpoint: str, timeout_s: float,
@@ -146,14 +177,14 @@ class Client(WeightSourceClient, SleepClient):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
-        self._sock = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
+        self._sock, self._monitor = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
         self._no_answer = _no_answer_hint(endpoint, timeout_s, curve_key_dir)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid()}-{id(self):x}-"
         self._inbox: dict[str, deque] = defaultdict(deque)  # replies for other requests
         self._last_ping = 0.0
         self._link = _Link()
-        self._monitor = self._sock.get_monitor_socket(_LINK_EVENTS)
+        self._boots = _Boots()
 
     def _send(self, frame: bytes, *, best_effort: bool = False) -> None:
         """Send, waiting at most timeout_s for room; `best_effort` (pings, aborts on the
@@ -164,8 +195,12 @@ class Client(WeightSourceClient, SleepClient):
             if not best_effort:
                 raise TimeoutError(self._no_answer) from None
 
-    def _recv(self, deadline: float) -> Any:
+    def _recv(self, deadline: float, epoch: int | None = None) -> Any:
+        """The next message that is not a pong; `epoch`: fail if the server restarted
+        since the request waiting was sent."""
         while True:
+            if epoch is not None and self._boots.epoch != epoch:
+                raise EngineDeadError(_restarted(self.endpoint))
             now = time.monotonic()
             if now - self._last_ping >= PING_INTERVAL_S:
                 self._send(cp.encode(cp.Ping()), best_effort=True)
@@ -180,16 +215,20 @@ class Client(WeightSourceClient, SleepClient):
                                       f"for over {LINK_GRACE_S:g} s")
             if self._sock.poll(int(min(PING_INTERVAL_S, deadline - now) * 1000) + 1):
                 msg = cp.decode_server_frame(self._sock.recv())
-                if msg is not None and not isinstance(msg, cp.Pong):
+                if isinstance(msg, cp.Pong):
+                    self._boots.saw(msg.boot)
+                elif msg is not None:
                     return msg
 
-    def _wait_for(self, rid: str | None, kinds: tuple[type, ...]) -> Any:
-        """Next message for request `rid` (or the next of `kinds` when rid is None)."""
+    def _wait_for(self, rid: str | None, kinds: tuple[type, ...],
+                  epoch: int | None = None) -> Any:
+        """Next message for request `rid` (or the next of `kinds` when rid is None);
+        `epoch`: the server restart count when the request was sent."""
         if rid is not None and self._inbox.get(rid):
             return self._inbox[rid].popleft()
         deadline = time.monotonic() + self.timeout_s
         while True:
-            msg = self._recv(deadline)
+            msg = self._recv(deadline, epoch)
             mid = getattr(msg, "id", None)
             if rid is not None and mid == rid:
                 return msg
@@ -218,11 +257,12 @@ class Client(WeightSourceClient, SleepClient):
         """`routing_key`: behind a data-parallel router, requests with the same key go to
         the same replica (docs/data-parallel.md)."""
         rid = request_id or self._prefix + str(next(self._ids))
+        epoch = self._boots.epoch
         self._send(_submit_msg(rid, prompt, params, priority, ttl_ms, routing_key))
         remaining = _n_of(params)
         try:
             while remaining:
-                msg = self._wait_for(rid, ())
+                msg = self._wait_for(rid, (), epoch)
                 if isinstance(msg, cp.Error):
                     _raise_for(msg)
                 d = msg.to_delta()
@@ -271,12 +311,12 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
         self.timeout_s = timeout_s
         self.max_buffered = max_buffered
         self._ctx = zmq.asyncio.Context()
-        self._sock = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
+        self._sock, self._monitor = _connect(self._ctx, endpoint, timeout_s, curve_key_dir)
         self._no_answer = _no_answer_hint(endpoint, timeout_s, curve_key_dir)
         self._ids = itertools.count()
         self._prefix = f"a{os.getpid()}-{id(self):x}-"
         self._link = _Link()
-        self._monitor = self._sock.get_monitor_socket(_LINK_EVENTS)
+        self._boots = _Boots()
         self._queues: dict[str, asyncio.Queue] = {}
         self._ended: set[str] = set()  # requests already given their last message here
         self._control: dict[str, asyncio.Future] = {}
@@ -303,6 +343,10 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
                 continue  # undecodable: one bad frame must not stop the reader
             if self.trace is not None and isinstance(msg, cp.Output):
                 self.trace.message("out_recv", msg.id, msg.index, msg.finish_reason is not None)
+            if isinstance(msg, cp.Pong):
+                if self._boots.saw(msg.boot):
+                    self._fail_all(_restarted(self.endpoint))
+                continue
             rid = getattr(msg, "id", None)
             if rid is not None and str(rid) in self._queues:
                 self._deliver(str(rid), msg)
@@ -351,12 +395,15 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
             if self._queues:
                 await self._send(cp.encode(cp.Ping()), best_effort=True)
                 if self._link.lost():  # the leader is gone: fail what waits on it
-                    why = (f"lost the connection to the leader at {self.endpoint} for over "
-                           f"{LINK_GRACE_S:g} s")
-                    for rid in list(self._queues):
-                        if rid not in self._ended:
-                            self._end(rid, cp.Error(rid, "engine_unavailable", why))
+                    self._fail_all(f"lost the connection to the leader at {self.endpoint} "
+                                   f"for over {LINK_GRACE_S:g} s")
             await asyncio.sleep(PING_INTERVAL_S)
+
+    def _fail_all(self, why: str) -> None:
+        """End every request waiting here with engine_unavailable."""
+        for rid in list(self._queues):
+            if rid not in self._ended:
+                self._end(rid, cp.Error(rid, "engine_unavailable", why))
 
     async def _request(self, request: Any) -> dict:
         self._ensure_tasks()

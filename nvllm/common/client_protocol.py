@@ -248,6 +248,10 @@ class Metrics(ServerMessage, tag="metrics"):
 
 
 class Pong(ServerMessage, tag="pong"):
+    """``boot``: random per server process. A client that sees it change knows the server
+    it reconnected to is a new one that never had its requests in flight."""
+
+    boot: str = ""
     OP: ClassVar[str] = "pong"
 
 

@@ -14,6 +14,7 @@ import copy
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -71,6 +72,7 @@ class EngineServer:
                  curve_key_dir: str | os.PathLike | None = None,
                  max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         check_curve_bind(host, curve_key_dir, "the client endpoint")
+        self._pong = cp.Pong(boot=secrets.token_hex(8))
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < MIN_FRAME_BYTES:
             # The limit also applies to handshake commands (CURVE's is ~300 bytes): below
             # this floor no client could even connect.
@@ -188,7 +190,7 @@ class EngineServer:
         except cp.ClientProtocolError as e:
             return self._error(client, e.request_id, e.code, e.message)
         if isinstance(msg, cp.Ping):
-            return self._send(client, cp.Pong())
+            return self._send(client, self._pong)
         if isinstance(msg, cp.Submit):
             return self._submit(client, msg)
         if isinstance(msg, cp.Abort):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import Counter, defaultdict
@@ -102,6 +103,7 @@ class Router:
             raise ValueError("a router needs at least one replica endpoint")
         check_curve_bind(host, curve_key_dir, "the router's client endpoint")
         self.config = config or RouterConfig()
+        self._pong = cp.Pong(boot=secrets.token_hex(8))
         self.policy = make_policy(self.config.policy, self.config.cache_aware)
         self.sticky = StickyRoutes(self.config.max_sticky_keys)
         self.ctx = zmq.Context()
@@ -235,7 +237,7 @@ class Router:
                                                             "(the router speaks version 1)")
         op = msg.get("op")
         if op == "ping":
-            return self._send(client, cp.Pong())
+            return self._send(client, self._pong)
         if op == "submit":
             return self._submit(client, msg)
         if op == "abort":

@@ -176,3 +176,115 @@ def test_async_client_work_per_message_does_not_grow_with_live_streams(leader):
     assert large.lines <= 1.05 * small.lines + 100, (
         f"{large.lines} lines with 1,000 streams open, {small.lines} with 100; grown: "
         f"{large.grown(small, 1.05)}")
+
+
+class _ScriptedLeader:
+    """A leader on `port` (0: any) that answers pings with pong(`boot`) and each submit
+    with one final token, in a thread, until stop()."""
+
+    def __init__(self, boot: str, port: int = 0) -> None:
+        import threading
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if port:
+            self.sock.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.port, self.boot, self.pongs = port, boot, 0
+        self.submits: list[str] = []
+        self.final = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, payload = self.sock.recv_multipart()
+            msg = msgpack.unpackb(payload, raw=False)
+            if msg.get("op") == "ping":
+                self.sock.send_multipart([ident, msgpack.packb({"op": "pong",
+                                                                "boot": self.boot})])
+                self.pongs += 1
+            elif msg.get("op") == "submit":
+                self.submits.append(msg["id"])
+                self.sock.send_multipart([ident, _output(msg["id"], 0, last=self.final)])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_leader_restarted_within_the_grace_fails_the_streams_it_never_had():
+    """The leader dies and a new one takes its port well inside LINK_GRACE_S: the link is
+    back, so only the pong's boot id shows the request was lost. It fails at once (not
+    after timeout_s), and the same client's next request is served by the new leader."""
+    old = _ScriptedLeader("boot-a")
+    old.final = False
+    new = None
+    try:
+        with Client(f"tcp://127.0.0.1:{old.port}", timeout_s=60) as c:
+            stream = c.stream([1, 2], {"max_tokens": 10}, request_id="r")
+            assert next(stream).token_ids == [0]
+            _wait(lambda: old.pongs >= 1)
+            time.sleep(0.2)  # the pong on its way before the socket drops it
+            old.stop()
+            new = _ScriptedLeader("boot-b", old.port)
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError, match="restarted"):
+                next(stream)
+            assert time.monotonic() - t0 < client_module.LINK_GRACE_S
+            out = c.generate([3], {"max_tokens": 1})
+            assert out.outputs[0].token_ids == [0] and len(new.submits) == 1
+    finally:
+        old.stop() if not old._stop.is_set() else None
+        if new is not None:
+            new.stop()
+
+
+def test_async_streams_fail_when_the_leader_restarted_within_the_grace():
+    old = _ScriptedLeader("boot-a")
+    old.final = False
+    holder: dict = {}
+
+    async def run():
+        c = AsyncClient(f"tcp://127.0.0.1:{old.port}", timeout_s=60)
+        try:
+            streams = [c.stream([k], {"max_tokens": 10}, request_id=f"r{k}") for k in (1, 2)]
+            for s in streams:
+                assert (await s.__anext__()).token_ids == [0]
+            await asyncio.to_thread(_wait, lambda: old.pongs >= 1)
+            await asyncio.sleep(0.2)
+            old.stop()
+            holder["new"] = _ScriptedLeader("boot-b", old.port)
+            t0 = time.monotonic()
+            for s in streams:
+                with pytest.raises(EngineDeadError, match="restarted"):
+                    await s.__anext__()
+            assert time.monotonic() - t0 < client_module.LINK_GRACE_S
+            holder["new"].final = True
+            out = [d async for d in c.stream([3], {"max_tokens": 1})]
+            assert [d.token_ids for d in out] == [[0]]
+        finally:
+            c.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        if not old._stop.is_set():
+            old.stop()
+        if "new" in holder:
+            holder["new"].stop()

@@ -190,7 +190,9 @@ def test_a_killed_router_comes_back_on_its_port_and_the_replicas_stay(launched, 
                                      "ignore_eos": True})
         next(stream)
         os.kill(launched.router_pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="lost the connection"):
+        # Lost past the grace, or (on a loaded machine, where the grace can outlast the
+        # launcher's restart delay) answered by a router with a new boot id.
+        with pytest.raises(EngineDeadError, match="lost the connection|restarted"):
             list(stream)
         deadline = time.monotonic() + 60
         while True:
