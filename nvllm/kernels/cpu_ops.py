@@ -15,8 +15,8 @@ CPUs) and portable loops; ``NVLLM_CPU_ISA`` builds a narrower one to test it. Th
 ``load()`` succeeds.
 
 ``scripts/install.sh`` builds the library (``python -m nvllm.kernels.cpu_ops``); a worker
-that finds it missing builds it on first use (about 10 s, under torch's file lock, so
-ranks starting together build it once). It is compiled for this machine's CPU
+that finds it missing builds it on first use (about two minutes on 2 cores, under
+torch's file lock, so ranks starting together build it once). It is compiled for this machine's CPU
 (``-march=native``), so its folder is keyed by the source, the flags, torch's version and
 the CPU's feature flags. Without a compiler, or with ``NVLLM_CPU_OPS=0``, ``load()``
 returns False and attention runs the per-sequence SDPA path: same results within float
@@ -41,6 +41,8 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
            CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp"]
+# What is compiled: SOURCES as one translation unit (it says why).
+UNITY = CSRC / "all_ops.cpp"
 # part of the build's key, not compiled on their own
 HEADERS = [CSRC / "bf16.h", CSRC / "quant_args.h", CSRC / "attend_kernels.h"]
 # -ffast-math lets GCC vectorize the dot products and exp (glibc's libmvec): the kernel
@@ -75,7 +77,7 @@ def _cpu_flags() -> str:
 def build_dir() -> pathlib.Path:
     """Where this machine's build lives: ``$NVLLM_EXT_DIR`` or ``~/.cache/nvllm/ext``."""
     h = hashlib.sha256()
-    for src in SOURCES + HEADERS:
+    for src in [UNITY, *SOURCES, *HEADERS]:
         h.update(src.read_bytes())
     h.update(" ".join(cflags() + LDFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -94,7 +96,7 @@ def build(verbose: bool = False) -> pathlib.Path:
 
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=cflags(),
+    cpp_extension.load(name=NAME, sources=[str(UNITY)], extra_cflags=cflags(),
                        extra_ldflags=LDFLAGS, build_directory=str(d), is_python_module=False,
                        verbose=verbose)
     return library_path()

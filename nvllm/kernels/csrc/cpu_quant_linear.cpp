@@ -30,8 +30,8 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weight
+using nvllm_cpu::kQuantGroup;
+using nvllm_cpu::kQuantMaxRows;
 
 // One instruction with F16C (every AVX-512 CPU has it); c10's bit-twiddling otherwise.
 inline float half_to_float(const c10::Half h) {
@@ -123,7 +123,7 @@ inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
   dequant_group<BITS, MIN>(q, s, m, v);
   for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 8 * k, v[k]);
 #else
-  for (int j = 0; j < kGroup; ++j) {
+  for (int j = 0; j < kQuantGroup; ++j) {
     int v;
     if constexpr (BITS == 8) {
       v = static_cast<int8_t>(q[j]);
@@ -143,13 +143,13 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
                        const MT* m, float* acc_out) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t G = K / kGroup;
-  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  const int64_t G = K / kQuantGroup;
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   for (int64_t g = 0; g < G; ++g) {
     __m512 w0, w1;
     dequant_group<BITS, MIN>(q + g * gbytes, half_to_float(s[g]),
                              MIN ? half_to_float(m[g]) : 0.f, w0, w1);
-    const float* xg = x + g * kGroup;
+    const float* xg = x + g * kQuantGroup;
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * K), acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * K + 16), acc[r][1]);
@@ -165,8 +165,8 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
                        const MT* m, float* acc_out) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int64_t G = K / kGroup;
-  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  const int64_t G = K / kQuantGroup;
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   // Scales and mins converted 8 groups at a time, then broadcast from memory (one load
   // each rather than a conversion and a shuffle per group).
   alignas(32) float sf[8], mf[8] = {};
@@ -191,7 +191,7 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
       const int64_t g = g0 + i;
       __m256 w[4];
       dequant_group<BITS, MIN>(q + g * gbytes, sf[i], mf[i], w);
-      const float* xg = x + g * kGroup;
+      const float* xg = x + g * kQuantGroup;
       for (int r = 0; r < R; ++r) {
         const float* xr = xg + r * K;
         acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
@@ -209,22 +209,22 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
 template <int BITS, bool MIN, int R, typename MT>
 inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::Half* s,
                        const MT* m, float* acc_out) {
-  float acc[R][kGroup] = {};
-  const int64_t G = K / kGroup;
-  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
-  float w[kGroup];
+  float acc[R][kQuantGroup] = {};
+  const int64_t G = K / kQuantGroup;
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
+  float w[kQuantGroup];
   for (int64_t g = 0; g < G; ++g) {
     dequant_to<BITS, MIN>(q + g * gbytes, half_to_float(s[g]), MIN ? half_to_float(m[g]) : 0.f,
                           w);
-    const float* xg = x + g * kGroup;
+    const float* xg = x + g * kQuantGroup;
     for (int r = 0; r < R; ++r) {
 #pragma omp simd
-      for (int j = 0; j < kGroup; ++j) acc[r][j] += w[j] * xg[r * K + j];
+      for (int j = 0; j < kQuantGroup; ++j) acc[r][j] += w[j] * xg[r * K + j];
     }
   }
   for (int r = 0; r < R; ++r) {
     float t = 0.f;
-    for (int j = 0; j < kGroup; ++j) t += acc[r][j];
+    for (int j = 0; j < kQuantGroup; ++j) t += acc[r][j];
     acc_out[r] = t;
   }
 }
@@ -235,21 +235,21 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
 template <int BITS, bool MIN, typename T, typename MT>
 void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Half* scales,
                   const MT* mins) {
-  const int64_t G = K / kGroup;
+  const int64_t G = K / kQuantGroup;
   const int64_t qrow = BITS == 8 ? K : K / 2;
-  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float w[kGroup];
+    alignas(64) float w[kQuantGroup];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t g = 0; g < G; ++g) {
-        T* o = out + n * K + g * kGroup;
+        T* o = out + n * K + g * kQuantGroup;
         const float sc = half_to_float(scales[n * G + g]);
         const float mn = MIN ? half_to_float(mins[n * G + g]) : 0.f;
         if constexpr (std::is_same_v<T, float>) {
           dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, o);
         } else {
           dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, w);
-          for (int j = 0; j < kGroup; ++j) o[j] = nvllm_cpu::from_float<T>(w[j]);
+          for (int j = 0; j < kQuantGroup; ++j) o[j] = nvllm_cpu::from_float<T>(w[j]);
         }
       }
     }
@@ -259,7 +259,7 @@ void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Ha
 template <int BITS, bool MIN, int R, typename T, typename MT>
 void rows_pass(T* out, const float* x, int64_t K, int64_t N, const uint8_t* qw,
                const c10::Half* scales, const MT* mins) {
-  const int64_t G = K / kGroup;
+  const int64_t G = K / kQuantGroup;
   const int64_t qrow = BITS == 8 ? K : K / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float acc[R];
@@ -274,10 +274,10 @@ void rows_pass(T* out, const float* x, int64_t K, int64_t N, const uint8_t* qw,
 template <int BITS, bool MIN, typename T, typename MT>
 void dispatch_rows(T* out, const float* x, int64_t M, int64_t K, int64_t N,
                    const uint8_t* qw, const c10::Half* s, const MT* m) {
-  for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+  for (int64_t r0 = 0; r0 < M; r0 += kQuantMaxRows) {
     T* o = out + r0 * N;
     const float* xr = x + r0 * K;
-    nvllm_cpu::with_rows(std::min(kMaxRows, M - r0), [&](auto R) {
+    nvllm_cpu::with_rows(std::min(kQuantMaxRows, M - r0), [&](auto R) {
       rows_pass<BITS, MIN, decltype(R)::value, T, MT>(o, xr, K, N, qw, s, m);
     });
   }

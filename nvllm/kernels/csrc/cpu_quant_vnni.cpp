@@ -49,8 +49,8 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weight
+using nvllm_cpu::kQuantGroup;
+using nvllm_cpu::kQuantMaxRows;
 
 inline float to_f32(const c10::Half h) { return static_cast<float>(h); }
 inline float to_f32(const float v) { return v; }
@@ -65,12 +65,12 @@ struct QuantX {
 
 template <typename XT>
 QuantX quantize_x(const XT* x, int64_t M, int64_t K) {
-  QuantX q{M, K / kGroup, std::vector<int8_t>(M * K), std::vector<float>(M * (K / kGroup)),
-           std::vector<int32_t>(M * (K / kGroup))};
+  QuantX q{M, K / kQuantGroup, std::vector<int8_t>(M * K), std::vector<float>(M * (K / kQuantGroup)),
+           std::vector<int32_t>(M * (K / kQuantGroup))};
   for (int64_t i = 0; i < M * q.G; ++i) {
-    const XT* xg = x + i * kGroup;
-    float v[kGroup], amax = 0.f;
-    for (int j = 0; j < kGroup; ++j) {
+    const XT* xg = x + i * kQuantGroup;
+    float v[kQuantGroup], amax = 0.f;
+    for (int j = 0; j < kQuantGroup; ++j) {
       v[j] = nvllm_cpu::to_float(xg[j]);
       amax = std::max(amax, std::fabs(v[j]));
     }
@@ -79,10 +79,10 @@ QuantX quantize_x(const XT* x, int64_t M, int64_t K) {
     const float d = amax * (1.f / 127.f);
     const float id = d > 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
-    for (int j = 0; j < kGroup; ++j) {
+    for (int j = 0; j < kQuantGroup; ++j) {
       const int32_t r = static_cast<int32_t>(std::nearbyint(v[j] * id));
       const int32_t c = std::min(127, std::max(-127, r));
-      q.qx[i * kGroup + j] = static_cast<int8_t>(c);
+      q.qx[i * kQuantGroup + j] = static_cast<int8_t>(c);
       sum += c;
     }
     q.dx[i] = d;
@@ -106,18 +106,18 @@ inline int32_t stored(const uint8_t* qg, int j) {
 template <int BITS, bool MIN, int R, typename MT>
 void column_scalar(const QuantX& xq, int64_t r0, const uint8_t* q, const c10::Half* s,
                    const MT* m, float* out) {
-  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   const int64_t G = xq.G;
   float acc[R] = {};
   for (int64_t g = 0; g < G; ++g) {
-    int32_t w[kGroup];
-    for (int j = 0; j < kGroup; ++j) w[j] = stored<BITS, MIN>(q + g * gbytes, j);
+    int32_t w[kQuantGroup];
+    for (int j = 0; j < kQuantGroup; ++j) w[j] = stored<BITS, MIN>(q + g * gbytes, j);
     const float d = to_f32(s[g]);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * G + g;
-      const int8_t* xg = xq.qx.data() + i * kGroup;
+      const int8_t* xg = xq.qx.data() + i * kQuantGroup;
       int32_t dot = 0;
-      for (int j = 0; j < kGroup; ++j) dot += w[j] * xg[j];
+      for (int j = 0; j < kQuantGroup; ++j) dot += w[j] * xg[j];
       acc[r] += d * xq.dx[i] * static_cast<float>(dot);
       if constexpr (MIN) acc[r] += to_f32(m[g]) * xq.dx[i] * static_cast<float>(xq.sx[i]);
     }
@@ -154,10 +154,10 @@ LanesX lanes_x(const QuantX& xq) {
   for (int64_t r = 0; r < xq.M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = r * G + g, t = g / S, jj = g % S;
-      const int8_t* src = xq.qx.data() + i * kGroup;
+      const int8_t* src = xq.qx.data() + i * kQuantGroup;
       int8_t* dst = lx.qx.data() + (r * steps + t) * xb;
       if constexpr (BITS == 8) {
-        std::copy(src, src + kGroup, dst + jj * kGroup);
+        std::copy(src, src + kQuantGroup, dst + jj * kQuantGroup);
       } else {
         std::copy(src, src + 16, dst + jj * 16);
         std::copy(src + 16, src + 32, dst + 64 + jj * 16);
@@ -193,7 +193,7 @@ template <int BITS, bool MIN, int R, typename MT>
 inline void column_vnni(const LanesX& lx, int64_t r0, int64_t G, const uint8_t* q,
                         const c10::Half* s, const MT* m, float* out) {
   constexpr int S = BITS == 8 ? 2 : 4;
-  constexpr int64_t xb = BITS == 8 ? 64 : 128, gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  constexpr int64_t xb = BITS == 8 ? 64 : 128, gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   constexpr bool has_off = BITS == 8 || !MIN;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -271,7 +271,7 @@ template <int BITS, bool MIN, int R, typename MT>
 inline void column_avx2(const QuantX& xq, const float* xs, int64_t xs_stride, int64_t r0,
                         const uint8_t* q,
                         const c10::Half* s, const MT* m, float* out) {
-  constexpr int64_t gbytes = BITS == 8 ? kGroup : kGroup / 2;
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   constexpr int32_t offset = BITS == 4 && !MIN ? 8 : 0;
   const int64_t G = xq.G;
   __m256 acc[R];
@@ -300,7 +300,7 @@ inline void column_avx2(const QuantX& xq, const float* xs, int64_t xs_stride, in
       }
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * G + g;
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qx.data() + at * kGroup));
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qx.data() + at * kQuantGroup));
         if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, wsign);
         __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
         if constexpr (offset != 0)
@@ -323,7 +323,7 @@ inline void column_avx2(const QuantX& xq, const float* xs, int64_t xs_stride, in
 template <int BITS, bool MIN, int R, typename T, typename MT, typename XL>
 void rows_pass(T* out, const XL& xl, int64_t r0, int64_t G, int64_t N, const uint8_t* qw,
                const c10::Half* scales, const MT* mins) {
-  const int64_t qrow = BITS == 8 ? G * kGroup : G * kGroup / 2;
+  const int64_t qrow = BITS == 8 ? G * kQuantGroup : G * kQuantGroup / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     float acc[R];
     for (int64_t n = begin; n < end; ++n) {
@@ -352,8 +352,8 @@ void run_format(T* out, const QuantX& xq, int64_t N, const uint8_t* qw, const c1
   const QuantX& xl = xq;
 #endif
   const int64_t G = xq.G;
-  for (int64_t r0 = 0; r0 < xq.M; r0 += kMaxRows) {
-    nvllm_cpu::with_rows(std::min(kMaxRows, xq.M - r0), [&](auto R) {
+  for (int64_t r0 = 0; r0 < xq.M; r0 += kQuantMaxRows) {
+    nvllm_cpu::with_rows(std::min(kQuantMaxRows, xq.M - r0), [&](auto R) {
       rows_pass<BITS, MIN, decltype(R)::value, T, MT>(out, xl, r0, G, N, qw, s, m);
     });
   }

@@ -17,6 +17,7 @@
 namespace nvllm_cpu {
 
 constexpr int64_t kQuantGroup = 32;
+constexpr int64_t kQuantMaxRows = 8;  // rows of x per pass over the weight
 
 // qweight, scales and mins hold an [N, K] weight in `bits`.
 inline void check_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
