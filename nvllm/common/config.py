@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
 )
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # nvllm/worker/quantize.py
@@ -153,6 +154,11 @@ class EngineConfig:
     dtype: str = _setting(
         "auto", "Weights and activations; auto: the checkpoint's (float16 becomes bfloat16 "
                 "on CPU).", choices=("auto", *DTYPES))
+    kv_cache_dtype: str = _setting(
+        "auto", "What the KV cache holds; auto: the run dtype. bfloat16 under a float32 run "
+                "(CPU) halves the cache's bytes: keys and values are rounded once, when "
+                "stored, and attention still computes in float32.",
+        choices=KV_CACHE_DTYPES)
     block_size: int = _setting(16, "Tokens per KV block.")
     enable_prefix_caching: bool = _setting(
         True, "Reuse the KV blocks of a prompt prefix seen before.")
@@ -304,6 +310,21 @@ class EngineConfig:
         self.model_info = ModelInfo.from_pretrained(self.source.config_dir)
         return self.model_info
 
+    def _check_kv_cache_dtype(self) -> None:
+        """auto becomes the run dtype; otherwise the run dtype itself, or bfloat16 under a
+        float32 run on CPU (the kernels that read a cache of another type are the CPU ones)."""
+        kv = self.kv_cache_dtype
+        if kv == "auto" or kv == self.dtype:
+            self.kv_cache_dtype = self.dtype
+            return
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv!r}")
+        if not (kv == "bfloat16" and self.dtype == "float32" and self.device == "cpu"):
+            raise ValueError(
+                f"kv_cache_dtype={kv!r} with dtype={self.dtype!r} on {self.device}: a KV "
+                f"cache of another type than the run's is bfloat16 under float32 on CPU "
+                f"only; use kv_cache_dtype='auto' (the run dtype)")
+
     def finalize(self) -> EngineConfig:
         """Validate, resolve "auto" values and read the checkpoint's facts."""
         info = self.resolve_source()
@@ -320,6 +341,7 @@ class EngineConfig:
                 self.dtype = "bfloat16"  # fp16 matmuls on CPU are slow and lossy
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
+        self._check_kv_cache_dtype()
         # Any head count shards at any tp (by KV group, nvllm/worker/sharding.py), as long
         # as every rank gets a query head.
         heads, kv = info.num_attention_heads, info.num_key_value_heads
@@ -464,3 +486,11 @@ def _detect_device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:
         return "cpu"
+
+
+def kv_cache_dtype(config: EngineConfig) -> Any:
+    """The torch dtype the KV cache holds (config.kv_cache_dtype; auto: the run dtype)."""
+    import torch
+
+    name = config.kv_cache_dtype
+    return getattr(torch, config.dtype if name == "auto" else name)

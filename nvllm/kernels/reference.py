@@ -19,6 +19,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """Write K/V [T, kv_heads, d] into the paged cache at slot_mapping; -1 is skipped."""
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
+    k, v = k.to(kc.dtype), v.to(kc.dtype)  # a bfloat16 cache under float32: rounded here
     valid = slot_mapping >= 0
     if bool(valid.all()):
         kc.index_copy_(0, slot_mapping, k)
@@ -107,6 +108,8 @@ def attend_run(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, ctx: int,
     over its K/V of positions first..ctx - 1 ([1, kv_heads, ctx - first, d] each), causal
     and within `window`; returns [1, H, n, d]."""
     n = qi.shape[2]
+    if ki.dtype != qi.dtype:  # a bfloat16 cache under float32: read back exactly
+        ki, vi = ki.to(qi.dtype), vi.to(qi.dtype)
     # enable_gqa reads each KV head once for its query group instead of materializing
     # repeat_interleave copies: same result bit for bit, 4-5x faster on CPU.
     gqa = qi.shape[1] != ki.shape[1]

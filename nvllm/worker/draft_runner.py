@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nvllm.common.config import EngineConfig, ModelInfo
+from nvllm.common.config import EngineConfig, ModelInfo, kv_cache_dtype
 from nvllm.common.model_source import resolve_model_source
 from nvllm.common.speculative import SpeculativeConfig
 from nvllm.kernels.metadata import cdiv, metadata_from_arrays
@@ -65,6 +65,7 @@ class DraftRunner:
         self.info = ModelInfo.from_pretrained(source.config_dir)
         hf_config = AutoConfig.from_pretrained(source.config_dir)
         self.device, self.dtype = device, dtype
+        self.kv_dtype = kv_cache_dtype(config)
         self.max_model_len = max(config.max_model_len, 1)
         with torch.device(device):
             self.model = MODEL_REGISTRY[self.info.architecture](
@@ -90,13 +91,13 @@ class DraftRunner:
     def block_bytes(self, block_size: int) -> int:
         """The draft's KV bytes per block (its layers, at the target's block size)."""
         return (2 * len(self.model.layers) * block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
+                * self.kv_dtype.itemsize)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """The draft's paged cache, indexed by the target's block ids."""
         self.block_full = np.zeros(num_blocks, bool)
         self.kv_cache = torch.zeros(2, len(self.model.layers), num_blocks, block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                                    self.num_kv_heads, self.head_dim, dtype=self.kv_dtype,
                                     device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]

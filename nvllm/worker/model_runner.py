@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from nvllm.common import worker_protocol
-from nvllm.common.config import EngineConfig
+from nvllm.common.config import EngineConfig, kv_cache_dtype
 from nvllm.common.speculative import SpeculativeConfig
 from nvllm.common.transport import ArrayReader
 from nvllm.common.utils import cdiv
@@ -61,6 +61,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)  # a name in config.DTYPES
+        self.kv_dtype: torch.dtype = kv_cache_dtype(config)
         self.block_size = config.block_size
         hf_config = AutoConfig.from_pretrained(config.source.config_dir)
         arch = config.model_info.architecture
@@ -123,7 +124,7 @@ class ModelRunner:
         layers = len(self.model.layers)
         draft = self.draft.block_bytes(self.block_size) if self.draft is not None else 0
         return (2 * layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize) + draft
+                * self.kv_dtype.itemsize) + draft
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks this rank can hold within its memory budget."""
@@ -145,7 +146,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         layers = len(self.model.layers)
         self.kv_cache = torch.zeros(2, layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+                                    self.head_dim, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]

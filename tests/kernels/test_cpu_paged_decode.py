@@ -121,6 +121,68 @@ def test_paged_fused_qkv_equals_the_copies(dtype):
     assert torch.equal(kc, kc2)  # the rotated keys stored alike
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "copies"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 80)])
+def test_a_bfloat16_cache_under_float32_reads_back_what_it_stored(paged, heads, kv_heads, d):
+    """--kv-cache-dtype bfloat16 with float32 activations: the new keys and values are
+    rounded once, when stored (to nearest even, as torch's cast), and attention then reads
+    the stored values exactly: bit for bit the output of a float32 cache that holds the
+    same rounded values."""
+    c = _case(torch.float32, heads, kv_heads, d, 16, seed=5)
+    q, k, v = _split(c["qkv"], heads, kv_heads, d)
+    tok = torch.cat([torch.arange(r, r + n) for r, n in zip(c["rows"], c["qlens"])])
+
+    def run(k_new, v_new, dtype):
+        kc, vc = _bf16(c["k_cache"]).to(dtype), _bf16(c["v_cache"]).to(dtype)
+        bufs = [_bf16(b).to(dtype) for b in c["bufs"]]
+        out = torch.full_like(q, 7.0)
+        if paged:
+            cpu_ops.paged_decode_attention(out, q, k_new, v_new, kc, vc, c["slots"], c["rows"],
+                                           c["tables"], c["lens"], 0.3, 0, c["qlens"])
+        else:
+            cpu_ops.decode_attention(out, q, k_new, v_new, kc, vc, c["slots"], c["rows"],
+                                     torch.tensor([b.data_ptr() for b in bufs]),
+                                     torch.tensor([b.shape[3] for b in bufs]), c["lens"], 0,
+                                     0.3, 0, c["qlens"])
+        return out, kc, bufs
+
+    out, kc, bufs = run(k, v, torch.bfloat16)
+    want, kc_want, bufs_want = run(_bf16(k).float(), _bf16(v).float(), torch.float32)
+    assert torch.equal(out[tok], want[tok])
+    assert torch.equal(kc.float(), kc_want)
+    assert all(torch.equal(b.float(), w) for b, w in zip(bufs, bufs_want))
+    assert torch.equal(kc.view(-1, kv_heads, d)[c["slots"]], _bf16(k[tok]))
+    with pytest.raises(RuntimeError, match="bfloat16 under float32 q; got Float"):
+        cpu_ops.paged_decode_attention(torch.empty_like(_bf16(q)), _bf16(q), _bf16(k), _bf16(v),
+                                       c["k_cache"], c["v_cache"], c["slots"], c["rows"],
+                                       c["tables"], c["lens"], 0.3, 0, c["qlens"])
+
+
+def test_fused_qkv_with_a_bfloat16_cache_stores_the_rounded_rotated_keys():
+    heads, kv_heads, d = 9, 3, 64
+    c = _case(torch.float32, heads, kv_heads, d, 16, seed=7)
+    positions = torch.randint(0, 100, (c["qkv"].shape[0],),
+                              generator=torch.Generator().manual_seed(2))
+    ang = torch.randn(128, d // 2).repeat(1, 2)
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    outs, caches = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        kc, vc = c["k_cache"].to(dtype), c["v_cache"].to(dtype)
+        outs.append(cpu_ops.paged_decode_attention_qkv(
+            c["qkv"], positions, cos, sin, heads, kv_heads, kc, vc, c["slots"], c["rows"],
+            c["tables"], c["lens"], 0.125, 0, c["qlens"]))
+        caches.append((kc, vc))
+    (kf, vf), (kb, vb) = caches
+    assert torch.equal(kb, _bf16(kf)) and torch.equal(vb, _bf16(vf))
+    tok = torch.cat([torch.arange(r, r + n) for r, n in zip(c["rows"], c["qlens"])])
+    # Both attend over their own caches: equal within bfloat16's rounding of the keys.
+    torch.testing.assert_close(outs[1][tok], outs[0][tok], atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("change,match", [
     ("table", r"block_tables\[4, 2\] = 48 is outside the paged cache \(48 blocks\)"),
     ("slot", r"slots\[0\] = -1: paged decode attention reads every new token back"),

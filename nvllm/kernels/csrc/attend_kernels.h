@@ -104,8 +104,8 @@ const __m512i kSumOrder = [] {
 // attend_one for a fixed group size G and head_dim D (a multiple of 16): queries and
 // the output accumulators live in registers, the per-key partial vectors go through a
 // small buffer to the transposing sum.
-template <typename T, int G, int D>
-void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVRows<T>& v,
+template <typename T, typename KT, int G, int D>
+void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<KT>& k, const KVRows<KT>& v,
                   int64_t len,
                   float scale, T* out, int64_t out_head_stride, std::vector<float>& scores) {
   constexpr int C = D / 16;
@@ -125,10 +125,10 @@ void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const K
         for (int g = 0; g < G; ++g) part[g][jj] = _mm512_setzero_ps();
         continue;
       }
-      const T* kj = k.at(j0 + jj);
+      const KT* kj = k.at(j0 + jj);
       // The keys are read once per step, from memory: fetch ahead of the loads.
       if (j0 + jj + 16 < len)
-        for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+        for (int b = 0; b < D * static_cast<int>(sizeof(KT)); b += 64)
           _mm_prefetch(reinterpret_cast<const char*>(k.at(j0 + jj + 16)) + b, _MM_HINT_T0);
       __m512 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load16(kj + c * 16);
@@ -148,9 +148,9 @@ void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const K
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    const T* vj = v.at(j);
+    const KT* vj = v.at(j);
     if (j + 16 < len)
-      for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+      for (int b = 0; b < D * static_cast<int>(sizeof(KT)); b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(v.at(j + 16)) + b, _MM_HINT_T0);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vj + c * 16);
@@ -185,8 +185,8 @@ inline __m256 transpose_sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-template <typename T, int G, int D>
-void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVRows<T>& v,
+template <typename T, typename KT, int G, int D>
+void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<KT>& k, const KVRows<KT>& v,
                   int64_t len,
                   float scale, T* out, int64_t out_head_stride, std::vector<float>& scores) {
   constexpr int C = D / 8;
@@ -207,9 +207,9 @@ void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const K
         for (int g = 0; g < G; ++g) part[g][jj] = _mm256_setzero_ps();
         continue;
       }
-      const T* kj = k.at(j0 + jj);
+      const KT* kj = k.at(j0 + jj);
       if (j0 + jj + 8 < len)
-        for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64)
+        for (int b = 0; b < D * static_cast<int>(sizeof(KT)); b += 64)
           _mm_prefetch(reinterpret_cast<const char*>(k.at(j0 + jj + 8)) + b, _MM_HINT_T0);
       for (int g = 0; g < G; ++g) {
         __m256 acc = _mm256_mul_ps(_mm256_load_ps(qf[g]), load8(kj));
@@ -228,7 +228,7 @@ void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const K
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CC; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
-      const T* vj = v.at(j) + c0 * 8;
+      const KT* vj = v.at(j) + c0 * 8;
       for (int c = 0; c < CC; ++c) {
         const __m256 vv = load8(vj + c * 8);
         for (int g = 0; g < G; ++g)
@@ -247,14 +247,14 @@ void attend_fixed(const T* q, int64_t q_head_stride, const KVRows<T>& k, const K
 #ifdef NVLLM_ATTN_FIXED
 
 // The fixed-shape kernel for (group, d), or nullptr (the generic loop then runs).
-template <typename T>
-using AttendFn = void (*)(const T*, int64_t, const KVRows<T>&, const KVRows<T>&, int64_t,
+template <typename T, typename KT>
+using AttendFn = void (*)(const T*, int64_t, const KVRows<KT>&, const KVRows<KT>&, int64_t,
                           float, T*, int64_t, std::vector<float>&);
 
-template <typename T>
-AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
+template <typename T, typename KT>
+AttendFn<T, KT> fixed_kernel(int64_t group, int64_t d) {
 #define NVLLM_CASE(G, D) \
-  if (group == G && d == D) return &attend_fixed<T, G, D>;
+  if (group == G && d == D) return &attend_fixed<T, KT, G, D>;
   NVLLM_CASE(1, 64) NVLLM_CASE(2, 64) NVLLM_CASE(3, 64) NVLLM_CASE(4, 64)
   NVLLM_CASE(6, 64) NVLLM_CASE(8, 64)
   NVLLM_CASE(1, 128) NVLLM_CASE(2, 128) NVLLM_CASE(3, 128) NVLLM_CASE(4, 128)
@@ -264,8 +264,8 @@ AttendFn<T> fixed_kernel(int64_t group, int64_t d) {
 }
 #endif  // NVLLM_ATTN_FIXED
 
-template <typename T>
-void attend_one(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVRows<T>& v,
+template <typename T, typename KT>
+void attend_one(const T* q, int64_t q_head_stride, const KVRows<KT>& k, const KVRows<KT>& v,
                 int64_t len,
                 int64_t group, int64_t d, float scale, T* out, int64_t out_head_stride,
                 std::vector<float>& scores) {
@@ -275,7 +275,7 @@ void attend_one(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVR
   scores.resize(static_cast<size_t>(group * len));
   float* s = scores.data();
   for (int64_t j = 0; j < len; ++j) {
-    const T* kj = k.at(j);
+    const KT* kj = k.at(j);
     float kf[kMaxHeadDim];
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kj[i]);
@@ -295,7 +295,7 @@ void attend_one(const T* q, int64_t q_head_stride, const KVRows<T>& k, const KVR
     for (int64_t i = 0; i < d; ++i) acc[g][i] = 0.f;
   }
   for (int64_t j = 0; j < len; ++j) {
-    const T* vj = v.at(j);
+    const KT* vj = v.at(j);
     float vf[kMaxHeadDim];
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) vf[i] = to_float(vj[i]);

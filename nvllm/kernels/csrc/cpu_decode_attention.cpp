@@ -27,6 +27,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "attend_kernels.h"
@@ -46,9 +47,14 @@ using nvllm_cpu_attn::AttendFn;
 using nvllm_cpu_attn::fixed_kernel;
 #endif
 
-template <typename T>
-void append(T* dst, const T* src, int64_t d) {
-  std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(T));
+// A row into the cache's type KT (float32 into a bfloat16 cache: rounded to nearest even).
+template <typename KT, typename T>
+void append(KT* dst, const T* src, int64_t d) {
+  if constexpr (std::is_same_v<KT, T>) {
+    std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < d; ++i) dst[i] = from_float<KT>(to_float(src[i]));
+  }
 }
 
 // Neox rotary of one [d] row into o, rounded as csrc/cpu_layer_ops.cpp's rotate does (so
@@ -94,19 +100,19 @@ struct Queries {  // each sequence's new tokens: rows[b] .. rows[b] + qlens[b] -
 // rope.pos is set) in its buffer (paged mode: none) and the paged cache, then attend each
 // query over its causal prefix, read from the buffer or through the block table. Each query is one call of the one-query routine, so query j of a
 // verify run computes exactly what decoding that token alone would.
-template <typename T>
+template <typename T, typename KT>
 void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0,
               int64_t qs1, const T* kp, int64_t ks0, int64_t ks1, const T* vp, int64_t vs0,
-              int64_t vs1, int64_t kv_heads, int64_t group, int64_t d, T* kc, T* vc,
+              int64_t vs1, int64_t kv_heads, int64_t group, int64_t d, KT* kc, KT* vc,
               const int64_t* slot, const Queries& qs, const int64_t* base, const int64_t* cap,
               const int64_t* len, int64_t layer, float scale, int64_t window, Rope rope,
               const Paging& paging, std::vector<float>& scores) {
   T k_rot[kMaxHeadDim];
   T q_rot[kMaxGroup * kMaxHeadDim];
   const bool paged = paging.tables != nullptr;
-  T* buf = paged ? nullptr : reinterpret_cast<T*>(base[b]);
-  T* k = paged ? nullptr : buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
-  T* v = paged ? nullptr : buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
+  KT* buf = paged ? nullptr : reinterpret_cast<KT*>(base[b]);
+  KT* k = paged ? nullptr : buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
+  KT* v = paged ? nullptr : buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
   const int64_t nq = qs.len(b), past = len[b] - nq;
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t r = qs.row[b] + j, sl = slot[qs.slot0(b) + j];
@@ -117,22 +123,22 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
       kb = k_rot;
     }
     if (!paged) {
-      append<T>(k + (past + j) * d, kb, d);
-      append<T>(v + (past + j) * d, vb, d);
+      append(k + (past + j) * d, kb, d);
+      append(v + (past + j) * d, vb, d);
     }
     if (sl >= 0) {  // the paged cache too: prefix hits and rebuilt copies read it
-      append<T>(kc + (sl * kv_heads + h) * d, kb, d);
-      append<T>(vc + (sl * kv_heads + h) * d, vb, d);
+      append(kc + (sl * kv_heads + h) * d, kb, d);
+      append(vc + (sl * kv_heads + h) * d, vb, d);
     }
   }
 #ifdef NVLLM_ATTN_FIXED
-  const AttendFn<T> fixed = fixed_kernel<T>(group, d);
+  const AttendFn<T, KT> fixed = fixed_kernel<T, KT>(group, d);
 #endif
-  KVRows<T> kr{k, d}, vr{v, d};
+  KVRows<KT> kr{k, d}, vr{v, d};
   if (paged) {
     const int32_t* table = paging.tables + b * paging.stride;
-    kr = KVRows<T>{kc + h * d, kv_heads * d, 0, table, paging.shift};
-    vr = KVRows<T>{vc + h * d, kv_heads * d, 0, table, paging.shift};
+    kr = KVRows<KT>{kc + h * d, kv_heads * d, 0, table, paging.shift};
+    vr = KVRows<KT>{vc + h * d, kv_heads * d, 0, table, paging.shift};
   }
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t r = qs.row[b] + j;
@@ -156,11 +162,11 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
       continue;
     }
 #endif
-    attend_one<T>(qh, q_stride, kr, vr, seen - first, group, d, scale, oh, os1, scores);
+    attend_one<T, KT>(qh, q_stride, kr, vr, seen - first, group, d, scale, oh, os1, scores);
   }
 }
 
-template <typename T>
+template <typename T, typename KT>
 void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1, const T* kp,
          int64_t ks0, int64_t ks1, const T* vp, int64_t vs0, int64_t vs1, int64_t heads,
          int64_t kv_heads, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -175,9 +181,9 @@ void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1,
   auto task = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t t = begin; t < end; ++t)
-      run_task<T>(t / kv_heads, t % kv_heads, op, os0, os1, qp, qs0, qs1, kp, ks0, ks1, vp,
-                  vs0, vs1, kv_heads, group, d, reinterpret_cast<T*>(k_cache.data_ptr()),
-                  reinterpret_cast<T*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), qs,
+      run_task<T, KT>(t / kv_heads, t % kv_heads, op, os0, os1, qp, qs0, qs1, kp, ks0, ks1,
+                      vp, vs0, vs1, kv_heads, group, d, reinterpret_cast<KT*>(k_cache.data_ptr()),
+                      reinterpret_cast<KT*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), qs,
                   bases.data_ptr<int64_t>(), caps.data_ptr<int64_t>(), len, layer,
                   static_cast<float>(scale), window, rope, paging, scores);
   };
@@ -192,13 +198,31 @@ T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// f(T{}, KT{}) for q's dtype T and the cache's KT (the pairs check_cache admits).
+template <typename F>
+void with_types(at::ScalarType q, at::ScalarType cache, const F& f) {
+  if (q == at::kBFloat16)
+    f(uint16_t{}, uint16_t{});
+  else if (cache == at::kBFloat16)
+    f(float{}, uint16_t{});
+  else
+    f(float{}, float{});
+}
+
+// The cache holds q's dtype, or bfloat16 under float32 queries (--kv-cache-dtype: half the
+// bytes; keys and values rounded once, when stored, and read back exactly).
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_heads,
                  int64_t d, at::ScalarType dtype, const at::Tensor& rows,
                  std::initializer_list<const at::Tensor*> vectors) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
     TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(2) == kv_heads &&
-                    t->size(3) == d && t->scalar_type() == dtype,
+                    t->size(3) == d,
                 "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, d]");
+  const at::ScalarType kt = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kt &&
+                  (kt == dtype || (dtype == at::kFloat && kt == at::kBFloat16)),
+              "k_cache and v_cache must hold q's dtype, or bfloat16 under float32 q; got ",
+              kt, " and ", v_cache.scalar_type(), " under ", dtype);
   for (const at::Tensor* t : vectors)
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 &&
                     t->size(0) == rows.size(0),
@@ -267,7 +291,7 @@ Queries check_rows(const at::Tensor& rows, const std::optional<at::Tensor>& quer
 
 // For each sequence b with m = query_lens[b] new tokens (1 when query_lens is None), at
 // rows[b] .. rows[b] + m - 1: write their k_new and v_new rows as its tokens lens[b] - m
-// .. lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], q's dtype)
+// .. lens[b] - 1 in the buffer at bases[b] ([layers, 2, kv_heads, caps[b], d], the cache's dtype)
 // and at their slots (one per new token, in sequence order; -1: not stored) of the paged
 // cache, then out[row] = attention of q[row] over the keys and values up to its own
 // (causal: query j sees lens[b] - m + j + 1 of them; the last `window` of those when
@@ -294,19 +318,16 @@ void attention_impl(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "query heads per KV head must divide evenly and be at most 16");
   TORCH_CHECK(d <= kMaxHeadDim, "head_dim must be at most 256");
-  auto go = [&](auto tag) {
-    using T = decltype(tag);
-    run<T>(ptr<T>(out), out.stride(0), out.stride(1), ptr<T>(q), q.stride(0), q.stride(1),
-           ptr<T>(k_new), k_new.stride(0), k_new.stride(1), ptr<T>(v_new), v_new.stride(0),
-           v_new.stride(1), heads, kv_heads, d, k_cache, v_cache, slots, rows, bases, caps,
-           lens, qs, layer, scale, window, Rope{}, paging);
-  };
-  if (q.scalar_type() == at::kFloat)
-    go(float{});
-  else if (q.scalar_type() == at::kBFloat16)
-    go(uint16_t{});
-  else
-    TORCH_CHECK(false, "decode_attention runs in float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "decode_attention runs in float32 or bfloat16");
+  with_types(q.scalar_type(), k_cache.scalar_type(), [&](auto t, auto kt) {
+    using T = decltype(t);
+    using KT = decltype(kt);
+    run<T, KT>(ptr<T>(out), out.stride(0), out.stride(1), ptr<T>(q), q.stride(0), q.stride(1),
+               ptr<T>(k_new), k_new.stride(0), k_new.stride(1), ptr<T>(v_new),
+               v_new.stride(0), v_new.stride(1), heads, kv_heads, d, k_cache, v_cache, slots,
+               rows, bases, caps, lens, qs, layer, scale, window, Rope{}, paging);
+  });
 }
 
 // decode_attention of the fused projection's output qkv = [tokens, (heads + 2 kv_heads) d]
@@ -353,17 +374,14 @@ void attention_qkv_impl(at::Tensor out, const at::Tensor& qkv, const at::Tensor&
     }
   const Rope rope{pos, cos.data_ptr<float>(), sin.data_ptr<float>()};
   const int64_t s0 = qkv.stride(0);
-  auto go = [&](auto tag) {
-    using T = decltype(tag);
+  with_types(qkv.scalar_type(), k_cache.scalar_type(), [&](auto t, auto kt) {
+    using T = decltype(t);
+    using KT = decltype(kt);
     const T* x = ptr<T>(qkv);
-    run<T>(ptr<T>(out), out.stride(0), d, x, s0, d, x + heads * d, s0, d,
-           x + (heads + kv_heads) * d, s0, d, heads, kv_heads, d, k_cache, v_cache, slots,
-           rows, bases, caps, lens, qs, layer, scale, window, rope, paging);
-  };
-  if (qkv.scalar_type() == at::kFloat)
-    go(float{});
-  else
-    go(uint16_t{});
+    run<T, KT>(ptr<T>(out), out.stride(0), d, x, s0, d, x + heads * d, s0, d,
+               x + (heads + kv_heads) * d, s0, d, heads, kv_heads, d, k_cache, v_cache, slots,
+               rows, bases, caps, lens, qs, layer, scale, window, rope, paging);
+  });
 }
 
 void decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_new,
