@@ -324,6 +324,10 @@ class EngineConfig:
                 f"kv_cache_dtype={kv!r} with dtype={self.dtype!r} on {self.device}: a KV "
                 f"cache of another type than the run's is bfloat16 under float32 on CPU "
                 f"only; use kv_cache_dtype='auto' (the run dtype)")
+        if self.attention_backend == "triton":  # its kernels take one dtype
+            raise ValueError(
+                "kv_cache_dtype='bfloat16' under dtype='float32' runs on the cpu or torch "
+                "attention backend, not triton; use attention_backend='auto'")
 
     def finalize(self) -> EngineConfig:
         """Validate, resolve "auto" values and read the checkpoint's facts."""

@@ -67,3 +67,6 @@ def test_the_config_admits_only_what_a_kernel_reads(tiny):
         with pytest.raises(ValueError, match=r"bfloat16 under float32 on CPU only; use "
                                              r"kv_cache_dtype='auto'"):
             EngineConfig(model, device="cpu", **kw).finalize()
+    with pytest.raises(ValueError, match="not triton; use attention_backend='auto'"):
+        EngineConfig(model, device="cpu", dtype="float32", kv_cache_dtype="bfloat16",
+                     attention_backend="triton").finalize()
