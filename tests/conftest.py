@@ -20,6 +20,20 @@ if not os.environ.get("TRITON_INTERPRET"):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _hf_config_cache(tmp_path_factory) -> Iterator[None]:
+    """Resolved transformers configs (nvllm/common/hf_config.py) cached in a folder of this
+    run, not the user's ~/.cache (workers inherit the variable; xdist workers share it)."""
+    if _xdist_worker():
+        cache = tmp_path_factory.getbasetemp().parent / "hf-config-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("hf-config-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NVLLM_HF_CONFIG_DIR", str(cache))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("tiny")

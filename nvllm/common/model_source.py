@@ -23,6 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from nvllm.common.hf_config import save_resolved
+
 logger = logging.getLogger(__name__)
 
 FORMATS = ("hf", "gguf")
@@ -163,6 +165,7 @@ def _convert_gguf_metadata(gguf_path: Path, out: Path) -> None:
         # every layer attends to the whole context.
         cfg.sliding_window = None
     cfg.save_pretrained(out)
+    save_resolved(out, cfg)  # workers read it without transformers' config classes
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     tok.save_pretrained(out)
     eos = tok.eos_token_id if tok.eos_token_id is not None else cfg.eos_token_id

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from nvllm.common.config import EngineConfig, ModelInfo, kv_cache_dtype
+from nvllm.common.hf_config import load_hf_config
 from nvllm.common.model_source import resolve_model_source
 from nvllm.common.speculative import SpeculativeConfig
 from nvllm.kernels.metadata import cdiv, metadata_from_arrays
@@ -58,12 +59,10 @@ from nvllm.worker.parallel import TPContext
 class DraftRunner:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  backend: str) -> None:
-        from transformers import AutoConfig
-
         spec = SpeculativeConfig.from_dict(config.speculative_config)
         source = resolve_model_source(spec.model)
         self.info = ModelInfo.from_pretrained(source.config_dir)
-        hf_config = AutoConfig.from_pretrained(source.config_dir)
+        hf_config = load_hf_config(source.config_dir)
         self.device, self.dtype = device, dtype
         self.kv_dtype = kv_cache_dtype(config)
         self.max_model_len = max(config.max_model_len, 1)

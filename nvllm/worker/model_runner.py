@@ -12,6 +12,7 @@ import torch
 
 from nvllm.common import worker_protocol
 from nvllm.common.config import EngineConfig, kv_cache_dtype
+from nvllm.common.hf_config import load_hf_config
 from nvllm.common.speculative import SpeculativeConfig
 from nvllm.common.transport import ArrayReader
 from nvllm.common.utils import cdiv
@@ -55,15 +56,13 @@ def micro_batch_ranges(query_lens: Sequence[int] | np.ndarray, min_tokens: int
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext, device: torch.device) -> None:
-        from transformers import AutoConfig
-
         self.config = config
         self.tp = tp
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.dtype)  # a name in config.DTYPES
         self.kv_dtype: torch.dtype = kv_cache_dtype(config)
         self.block_size = config.block_size
-        hf_config = AutoConfig.from_pretrained(config.source.config_dir)
+        hf_config = load_hf_config(config.source.config_dir)
         arch = config.model_info.architecture
         self.backend = resolve_backend(config.attention_backend, device)
         with torch.device(device):

@@ -136,12 +136,15 @@ def matmul_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_native_op_equals_dequantize_then_matmul(fmt, dtype):
     gen = torch.Generator().manual_seed(1)
-    qw = _random_quantized(fmt, 40, 256, gen)
+    qw = _random_quantized(fmt, 41, 256, gen)  # 41: a last block of 2 columns; odd halves
     w = qw.dequantize().double()
-    for m in (1, 3, 8, 11, 16):  # 11, 16: two passes of up to 8 rows
+    # Up to 4 rows: the in-register loop (two columns at a time at one row); 5 and more,
+    # on AVX2: the buffered kernel, blocks of 4 rows and a remainder of 1-3; past 8 rows,
+    # elsewhere: passes of up to 8.
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 33):
         x = torch.randn(m, 256, generator=gen).to(dtype)
         got = cpu_ops.quant_linear(x, qw.qweight, qw.scales, qw.mins, fmt.bits)
-        assert got.dtype == dtype and got.shape == (m, 40)
+        assert got.dtype == dtype and got.shape == (m, 41)
         exact = x.double() @ w.t()
         bound = matmul_bound(x.float(), w.float())
         if dtype == torch.bfloat16:  # plus the final rounding to bfloat16

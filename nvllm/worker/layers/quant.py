@@ -64,8 +64,10 @@ import torch
 
 GROUP = 32
 # Up to this many rows of x (by its dtype), the native op; beyond, dequantized tiles and
-# torch.mm (the crossovers measured above).
+# torch.mm (the crossovers measured above). The AVX2 build's buffered kernel for many rows
+# beats the tiles up to BUFFERED_MAX_ROWS in both dtypes (native_max_rows).
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
+BUFFERED_MAX_ROWS = 64
 # Up to this many rows of x (by the weight's bits), the int8-activation op
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see a8_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
@@ -175,7 +177,7 @@ class QuantizedWeight:
 
             out = cpu_ops.quant_linear_a8(x2, self.qweight, self.scales, self.mins,
                                           self.fmt.bits)
-        elif native and x2.shape[0] <= NATIVE_MAX_ROWS[x2.dtype]:
+        elif native and x2.shape[0] <= native_max_rows(x2.dtype):
             from nvllm.kernels import cpu_ops
 
             out = cpu_ops.quant_linear(x2, self.qweight, self.scales, self.mins,
@@ -206,6 +208,7 @@ class QuantizedWeight:
 
 _NATIVE: list[bool] = []
 _TRITON: list[bool] = []
+_BUFFERED: list[bool] = []
 _A8: list[str] = []  # the mode in effect, once asked ("off" where not vectorized)
 
 
@@ -230,6 +233,18 @@ def a8_rows(fmt: QuantFormat) -> int:
     if _A8[0] == "always":
         return 1 << 62
     return A8_MAX_ROWS.get(fmt.bits, 0) if _A8[0] == "auto" else 0
+
+
+def native_max_rows(dtype: torch.dtype) -> int:
+    """Rows of x up to which ``matmul`` takes the native op (float32 / bfloat16 x on CPU):
+    BUFFERED_MAX_ROWS where the op was built with its buffered kernel (AVX2: measured
+    1.5-4x faster than the tiles at 32 and 64 rows on SmolLM2's shapes, both dtypes),
+    else NATIVE_MAX_ROWS by dtype."""
+    if not _BUFFERED:
+        from nvllm.kernels import cpu_ops
+
+        _BUFFERED.append(_native() and cpu_ops.quant_linear_buffered())
+    return BUFFERED_MAX_ROWS if _BUFFERED[0] else NATIVE_MAX_ROWS[dtype]
 
 
 def triton_usable(x: torch.Tensor) -> bool:
