@@ -22,7 +22,7 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI: llama.cpp's Q8 activations; results move
 by x's rounding, at most half its step per value; opt-in, NVLLM_QUANT_ACTIVATIONS);
 else nvllm's native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32
-accumulation) for up to ``NATIVE_MAX_ROWS`` rows, else a tile of W's rows dequantized into x's dtype
+accumulation) for up to ``native_max_rows`` rows, else a tile of W's rows dequantized into x's dtype
 (one native pass, or the torch reference ``dequantize`` without the native ops) and
 ``torch.mm``. ``quantize`` is round-to-nearest per group (asymmetric, over the group's
 range, in the ``+min`` formats), for float checkpoints quantized at load.
@@ -34,7 +34,9 @@ the 49152 x 576 LM head in 2.0 ms (int8 or int4+min) against 10.2 ms dense float
 linearly with the rows (a dot-product kernel: ~2x a float32 GEMM's per-row cost), so the
 tile path wins from ~8 rows with bfloat16 activations (bfloat16 GEMM: 3072 x 576 at 16
 rows 0.62 ms against 1.08) and from ~16-32 with float32 (0.95 vs 1.04 ms at 16 rows, 1.94
-vs 1.77 at 32): hence ``NATIVE_MAX_ROWS`` per dtype.
+vs 1.77 at 32): hence ``NATIVE_MAX_ROWS`` per dtype. The AVX2 build multiplies 5 rows and
+more against a buffer of dequantized columns (register-blocked), which on a 2-core AMD
+EPYC beats the tiles up to 64 rows in both dtypes: ``BUFFERED_MAX_ROWS``.
 
 The int8-activation op against the native one (``--decode --threads 1``, same
 machine, heavily shared, minimum of 5; SmolLM2's shapes, float32 x): at one row int4+min
