@@ -49,6 +49,22 @@ def stop_on_signals(stop: threading.Event,
         signal.signal(sig, handler)
 
 
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object alive now into the interpreter's permanent
+    generation (``gc.freeze``), as vLLM's engine does after start-up.
+
+    Why: a long-running engine process holds its imports' objects for good (a worker with
+    torch and a model: ~220,000 objects), and each full collection of the cyclic GC walks
+    all of them: measured 192 ms in a SmolLM2-135M worker, a stall of every stream whenever
+    the survivors of serving trigger one. Frozen objects are skipped by collections
+    (0.01 ms after freezing); what serving allocates later is collected as before. Only for
+    processes nvllm owns: it would pin a user's garbage in their own process."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def set_process_title(title: str) -> None:
     """Name this process for operators (`ps`, `top`): nvllm-leader, nvllm-worker-<rank>, ..."""
     try:

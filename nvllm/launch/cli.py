@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from nvllm.common.proc import stop_on_signals
+from nvllm.common.proc import freeze_startup_objects, stop_on_signals
 from nvllm.launch.openai.tool_parsers import PARSER_CHOICES
 from nvllm.launch.options import engine_options
 
@@ -231,6 +231,7 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
         elif demo:
             run_demo(engine, max_tokens, temperature)
         else:
+            freeze_startup_objects()  # this process is the leader's alone from here
             _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
                    http_host if http_port is not None else None, http_port, api_key,
                    shutdown_timeout, http_options)

@@ -34,7 +34,7 @@ import zmq
 from nvllm.common import trace, worker_protocol
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import ProtocolError
-from nvllm.common.proc import die_with_parent, set_process_title
+from nvllm.common.proc import die_with_parent, freeze_startup_objects, set_process_title
 from nvllm.common.transport import ArrayReader
 from nvllm.common.zmq_utils import make_socket
 from nvllm.worker.cpu_malloc import keep_freed_memory, trim_after_load
@@ -270,6 +270,7 @@ def run_worker(spec: dict) -> None:
                 runner.init_kv_cache(msg.num_blocks)
                 if device.type == "cpu":
                     trim_after_load(rank)
+                freeze_startup_objects()
                 result_sock.send(worker_protocol.encode(
                     worker_protocol.WorkerReady(rank, "kv", msg.num_blocks)))
             elif isinstance(msg, worker_protocol.LoadGrammars):
