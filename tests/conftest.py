@@ -24,13 +24,8 @@ if not os.environ.get("TRITON_INTERPRET"):
 def _hf_config_cache(tmp_path_factory) -> Iterator[None]:
     """Resolved transformers configs (nvllm/common/hf_config.py) cached in a folder of this
     run, not the user's ~/.cache (workers inherit the variable; xdist workers share it)."""
-    if _xdist_worker():
-        cache = tmp_path_factory.getbasetemp().parent / "hf-config-cache"
-        cache.mkdir(exist_ok=True)
-    else:
-        cache = tmp_path_factory.mktemp("hf-config-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NVLLM_HF_CONFIG_DIR", str(cache))
+        mp.setenv("NVLLM_HF_CONFIG_DIR", str(_run_cache(tmp_path_factory, "hf-config-cache")))
         yield
 
 
@@ -69,14 +64,18 @@ def smollm2(tmp_path_factory) -> Iterator[str]:
     from nvllm.launch.real_model import smollm2_gguf
 
     path = str(smollm2_gguf())
-    if _xdist_worker():
-        cache = tmp_path_factory.getbasetemp().parent / "gguf-cache"
-        cache.mkdir(exist_ok=True)
-    else:
-        cache = tmp_path_factory.mktemp("gguf-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NVLLM_GGUF_DIR", str(cache))
+        mp.setenv("NVLLM_GGUF_DIR", str(_run_cache(tmp_path_factory, "gguf-cache")))
         yield path
+
+
+def _run_cache(tmp_path_factory, name: str) -> pathlib.Path:
+    """A cache folder of this run: under pytest-xdist the run's, shared by its workers."""
+    if _xdist_worker():
+        cache = tmp_path_factory.getbasetemp().parent / name
+        cache.mkdir(exist_ok=True)
+        return cache
+    return tmp_path_factory.mktemp(name)
 
 
 def worker_pids_of(parent: int) -> list[int]:
