@@ -36,14 +36,17 @@ def _narrower_isa() -> str:
 def test_kernel_contracts_hold_on_the_narrower_vector_path():
     isa = _narrower_isa()
     env = {**os.environ, cpu_ops.ISA_ENV: isa}
-    subprocess.run([sys.executable, "-m", "nvllm.kernels.cpu_ops"], env=env, cwd=ROOT,
-                   check=True, timeout=600, capture_output=True)
+    built = subprocess.run([sys.executable, "-m", "nvllm.kernels.cpu_ops"], env=env,
+                           cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
     probe = subprocess.run(
         [sys.executable, "-c", "from nvllm.kernels import cpu_ops; import torch; "
          "assert cpu_ops.load(); print(cpu_ops.library_path(), "
          "torch.ops.nvllm_cpu.quant_a8_vectorized())"],
         env=env, cwd=ROOT, check=True, timeout=120, capture_output=True, text=True)
     path, vectorized = probe.stdout.split()
+    # What the build prints is where a later process finds it (the build must not change
+    # its own key: cpp_extension appends to the flag lists it is given).
+    assert built.stdout.strip().splitlines()[-1] == path, built.stdout
     assert path != str(cpu_ops.library_path()), "the variant must be a build of its own"
     # AVX2 has a vector loop for the int8-activation op, the portable build has none.
     assert vectorized == ("True" if isa == "avx2" else "False"), probe.stdout
