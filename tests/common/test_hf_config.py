@@ -58,6 +58,15 @@ def test_an_older_config_json_gets_the_fields_transformers_standardizes(tmp_path
     assert cfg.num_key_value_heads == 4 and cfg.rms_norm_eps == _transformers_dict(d)[
         "rms_norm_eps"]
     assert vars(cfg) == _transformers_dict(d)
+    # Scaled rope types go through transformers' initializers, which call config methods:
+    # the plain attributes give the frequencies the config class gives.
+    import torch
+    from transformers import AutoConfig
+
+    from nvllm.worker.layers.rotary import compute_inv_freq
+
+    got, want = compute_inv_freq(cfg, 16), compute_inv_freq(AutoConfig.from_pretrained(d), 16)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
 
 
 def test_the_cache_key_follows_config_json(tiny, tmp_path):

@@ -23,8 +23,14 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(f"rope_type {rope_type!r} is not supported (position-dependent)")
+    from transformers import PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    # transformers' initializers call config methods: a worker's resolved config
+    # (nvllm/common/hf_config.py, plain attributes) becomes the base config class again,
+    # which imports no model's configuration module.
+    if not isinstance(hf_config, PretrainedConfig):
+        hf_config = PretrainedConfig(**vars(hf_config))
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     return inv.float(), float(scale)
 
