@@ -17,7 +17,9 @@ file's ``rope_theta`` / ``rope_scaling``). It is computed by transformers itself
 resolves it: the GGUF conversion, which has the config object in hand
 (nvllm/common/model_source.py), or the first worker to load the folder, which then pays the
 import once; every later start reads the JSON. So the attributes are transformers' values
-by construction, not a copy of its defaults kept here.
+by construction, not a copy of its defaults kept here. (Scaled rope types still call
+transformers' rope initializers, with the base config class rebuilt from these
+attributes: nvllm/worker/layers/rotary.py.)
 """
 
 from __future__ import annotations
