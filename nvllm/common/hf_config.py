@@ -56,10 +56,13 @@ def cache_path(config_dir: str | os.PathLike) -> Path:
 
 def save_resolved(config_dir: str | os.PathLike, cfg: Any) -> dict[str, Any]:
     """Cache a transformers config object's full dict for config_dir (whose config.json it
-    was loaded from or saved to); returns the dict. Written atomically: workers of one
-    engine may resolve the same folder at once."""
+    was loaded from or saved to); returns the dict."""
+    return _save(cache_path(config_dir), cfg)
+
+
+def _save(path: Path, cfg: Any) -> dict[str, Any]:
+    """Written atomically: workers of one engine may resolve the same folder at once."""
     d = json.loads(json.dumps(cfg.to_dict(), default=str))
-    path = cache_path(config_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
@@ -67,8 +70,7 @@ def save_resolved(config_dir: str | os.PathLike, cfg: Any) -> dict[str, Any]:
             json.dump(d, f)
         os.replace(tmp, path)
     except OSError as e:  # a read-only home: resolve again next time
-        logger.warning("could not cache the resolved config of %s in %s: %s", config_dir,
-                       path.parent, e)
+        logger.warning("could not cache a resolved config in %s: %s", path.parent, e)
     return d
 
 
@@ -82,7 +84,7 @@ def resolved_dict(config_dir: str | os.PathLike) -> dict[str, Any]:
         pass
     from transformers import AutoConfig
 
-    return save_resolved(config_dir, AutoConfig.from_pretrained(str(config_dir)))
+    return _save(path, AutoConfig.from_pretrained(str(config_dir)))
 
 
 def load_hf_config(config_dir: str | os.PathLike) -> SimpleNamespace:

@@ -99,9 +99,10 @@ def build(verbose: bool = False) -> pathlib.Path:
 
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    # Copies: cpp_extension.load appends torch's own -L/-l flags to the lists it is given,
-    # which would change the build key (and so library_path) for the rest of the process.
-    cpp_extension.load(name=NAME, sources=[str(UNITY)], extra_cflags=list(cflags()),
+    # A copy of LDFLAGS (cflags() is a new list): cpp_extension.load appends torch's own
+    # -L/-l flags to the lists it is given, which would change the build key (and so
+    # library_path) for the rest of the process.
+    cpp_extension.load(name=NAME, sources=[str(UNITY)], extra_cflags=cflags(),
                        extra_ldflags=list(LDFLAGS), build_directory=str(d),
                        is_python_module=False, verbose=verbose)
     return d / f"{NAME}.so"

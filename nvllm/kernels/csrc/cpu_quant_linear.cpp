@@ -172,6 +172,16 @@ inline void dequant_to(const uint8_t* q, float s, float m, float* w) {
 #endif
 }
 
+// A row of G groups into o (float32): what the reference dequantizes.
+template <int BITS, bool MIN, typename MT>
+inline void dequant_row(float* o, const uint8_t* q, const c10::Half* s, const MT* m,
+                        int64_t G) {
+  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
+  for (int64_t g = 0; g < G; ++g)
+    dequant_to<BITS, MIN>(q + g * gbytes, half_to_float(s[g]), MIN ? half_to_float(m[g]) : 0.f,
+                          o + g * kQuantGroup);
+}
+
 #if defined(__AVX512F__)
 // out[r, n] for R rows of x (float32, [R, K] at stride K) and one output column n.
 template <int BITS, bool MIN, int R, typename MT>
@@ -289,28 +299,16 @@ void rows_buffered(T* out, const float* x, int64_t M, int64_t K, int64_t N, cons
                    const c10::Half* scales, const MT* mins) {
   const int64_t G = K / kQuantGroup;
   const int64_t qrow = BITS == 8 ? K : K / 2;
-  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   const int64_t blocks = (N + kBufCols - 1) / kBufCols;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(kBufCols * K);
-    alignas(32) float sf[8], mf[8];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kBufCols;
       const int cols = static_cast<int>(std::min<int64_t>(kBufCols, N - n0));
       for (int c = 0; c < cols; ++c) {
         const int64_t n = n0 + c;
-        for (int64_t g0 = 0; g0 < G; g0 += 8) {
-          group_params<BITS, MIN, MT>(scales + n * G, MIN ? mins + n * G : nullptr, g0, G, sf,
-                                      mf);
-          const int gn = static_cast<int>(G - g0 < 8 ? G - g0 : 8);
-          for (int i = 0; i < gn; ++i) {
-            __m256 w[4];
-            dequant_group<BITS, MIN>(qw + n * qrow + (g0 + i) * gbytes, _mm256_set1_ps(sf[i]),
-                                     _mm256_set1_ps(mf[i]), w);
-            float* o = buf.data() + c * K + (g0 + i) * kQuantGroup;
-            for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, w[k]);
-          }
-        }
+        dequant_row<BITS, MIN, MT>(buf.data() + c * K, qw + n * qrow, scales + n * G,
+                                   MIN ? mins + n * G : nullptr, G);
       }
       T* o = out + n0;
       switch (cols) {
@@ -354,20 +352,15 @@ void dequant_rows(T* out, int64_t K, int64_t N, const uint8_t* qw, const c10::Ha
                   const MT* mins) {
   const int64_t G = K / kQuantGroup;
   const int64_t qrow = BITS == 8 ? K : K / 2;
-  constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float w[kQuantGroup];
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : K);  // bfloat16: rounded from it
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t g = 0; g < G; ++g) {
-        T* o = out + n * K + g * kQuantGroup;
-        const float sc = half_to_float(scales[n * G + g]);
-        const float mn = MIN ? half_to_float(mins[n * G + g]) : 0.f;
-        if constexpr (std::is_same_v<T, float>) {
-          dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, o);
-        } else {
-          dequant_to<BITS, MIN>(qw + n * qrow + g * gbytes, sc, mn, w);
-          for (int j = 0; j < kQuantGroup; ++j) o[j] = nvllm_cpu::from_float<T>(w[j]);
-        }
+      const MT* mn = MIN ? mins + n * G : nullptr;
+      if constexpr (std::is_same_v<T, float>) {
+        dequant_row<BITS, MIN, MT>(out + n * K, qw + n * qrow, scales + n * G, mn, G);
+      } else {
+        dequant_row<BITS, MIN, MT>(row.data(), qw + n * qrow, scales + n * G, mn, G);
+        for (int64_t k = 0; k < K; ++k) out[n * K + k] = nvllm_cpu::from_float<T>(row[k]);
       }
     }
   });
