@@ -223,7 +223,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     views = meta.cpu_kv
     dec = views.decode
     # The kernel's rows only: it stores every one itself.
-    all_rows = dec is not None and _all_rows(dec, meta, q.shape[0])
+    all_rows = dec is not None and serves_all_rows(dec, meta, q.shape[0])
     if not all_rows:  # (the kernel's rows, if any, are then stored twice: harmless)
         reference.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     cu = meta.cu_seqlens_q_host
@@ -267,7 +267,7 @@ def _attend_the_rest(out: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
         out[a:b] = o[0].transpose(0, 1)
 
 
-def _all_rows(dec: DecodeRows, meta: AttentionMetadata, tokens: int) -> bool:
+def serves_all_rows(dec: DecodeRows, meta: AttentionMetadata, tokens: int) -> bool:
     """Whether the kernel serves every row of the step; also takes dec.slots (once)."""
     if dec.all_rows is None:
         dec.all_rows = len(dec.token_rows) == tokens
@@ -287,7 +287,7 @@ def decode_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     reads its pages): the caller takes the general path."""
     views = meta.cpu_kv
     dec = views.decode if views is not None else None
-    if dec is None or not _all_rows(dec, meta, qkv.shape[0]):
+    if dec is None or not serves_all_rows(dec, meta, qkv.shape[0]):
         return None
     return cpu_ops.decode_attention_qkv(qkv, positions, cos, sin, heads, kv_heads, k_cache,
                                         v_cache, dec.slots, dec.rows, dec.bases, dec.caps,

@@ -40,7 +40,8 @@ NAME = "nvllm_cpu_ops"
 CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
-           CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp"]
+           CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp",
+           CSRC / "cpu_decode_stack.cpp"]
 # What is compiled: SOURCES as one translation unit (it says why).
 UNITY = CSRC / "all_ops.cpp"
 # part of the build's key, not compiled on their own

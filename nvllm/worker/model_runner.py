@@ -24,7 +24,7 @@ from nvllm.worker.draft_runner import DraftRunner
 from nvllm.worker.input_batch import InputBatch, InvalidPlan, StepBatch
 from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
-from nvllm.worker.models import MODEL_REGISTRY
+from nvllm.worker.models import MODEL_REGISTRY, decode_stack
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.quantize import quantize_model, share_tied_head, weight_bytes
 from nvllm.worker.rejection_sampler import RejectionSampler
@@ -143,6 +143,7 @@ class ModelRunner:
         return int(self.config.cpu_kv_cache_gib * (1 << 30) // self.block_bytes())
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        decode_stack.forget(self.model)  # it holds the caches this replaces
         layers = len(self.model.layers)
         self.kv_cache = torch.zeros(2, layers, num_blocks, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.kv_dtype, device=self.device)

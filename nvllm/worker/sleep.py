@@ -34,6 +34,7 @@ from torch import nn
 from nvllm.common import worker_protocol as wp
 from nvllm.worker.cpu_malloc import release_freed_memory, rss_bytes
 from nvllm.worker.model_runner import ModelRunner
+from nvllm.worker.models import decode_stack
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class WorkerSleep:
 
     def handle(self, msg: wp.SleepWorker | wp.WakeWorker, rank: int) -> wp.SleepAck:
         op = "sleep" if isinstance(msg, wp.SleepWorker) else "wake"
+        decode_stack.forget(self.runner.model)  # it may hold tensors this moves or frees
         try:
             if op == "sleep":
                 weights, kv = self.sleep(msg.level)

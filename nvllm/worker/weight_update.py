@@ -34,6 +34,7 @@ from nvllm.common.weight_transfer import WIRE_DTYPES, WeightUpdateError
 from nvllm.common.worker_protocol import WeightChunk
 from nvllm.worker.ipc_weights import stage_ipc
 from nvllm.worker.loader import _default_loader
+from nvllm.worker.models import decode_stack
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ class WeightUpdater:
                 else:
                     param.data.copy_(value)
         self._close()
+        decode_stack.forget(self.model)  # rebuilt from the modules' tensors as they are now
         logger.info("weight update %d applied: %d parameters", update_id, len(staged))
         return len(staged)
 

@@ -10,3 +10,4 @@
 #include "cpu_argmax.cpp"
 #include "cpu_quant_linear.cpp"
 #include "cpu_quant_vnni.cpp"
+#include "cpu_decode_stack.cpp"

@@ -26,6 +26,7 @@ from nvllm.worker.layers.linear import (
     linear,
 )
 from nvllm.worker.layers.rotary import RotaryEmbedding, compute_inv_freq
+from nvllm.worker.models import decode_stack
 from nvllm.worker.parallel import TPContext
 
 # Yields partial sums to all-reduce, receives them reduced (see LlamaForCausalLM.stages).
@@ -202,9 +203,13 @@ class LlamaForCausalLM(nn.Module):
         final hidden states. TPContext.run drives one pass, or two micro-batches so that
         one's all-reduce runs while the other computes."""
         x = yield self.embed_tokens.partial(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = yield from layer.stages(positions, x, residual, meta)
+        stacked = decode_stack.run(self, x, positions, meta)  # one rank: no all-reduce
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = yield from layer.stages(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
