@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from nvllm.common.hf_config import save_resolved
@@ -110,12 +111,12 @@ def gguf_metadata_dir(first: Path) -> Path:
     from a GGUF file's metadata by transformers, converted on first use. It is written to
     a temporary sibling and renamed into place, so concurrent processes (the leader, its
     workers, another engine) see a complete folder or none."""
-    import transformers
-
     first = first.resolve()
     st = first.stat()
+    # transformers' version from its metadata: importing it here would cost every process
+    # that resolves the model (the leader, each worker) ~37 MiB it never uses again.
     key = hashlib.sha256(json.dumps(
-        [str(first), st.st_size, st.st_mtime_ns, transformers.__version__,
+        [str(first), st.st_size, st.st_mtime_ns, metadata.version("transformers"),
          CONVERSION_VERSION]).encode()).hexdigest()[:16]
     root = gguf_cache_root()
     target = root / f"{first.stem}-{key}"

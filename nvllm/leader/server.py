@@ -271,7 +271,12 @@ class EngineServer:
     def _tokenize_later(self, prompt: str) -> Future:
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nvllm-tokenize")
-            self._tokenizer = copy.deepcopy(self.engine.tokenizer)
+            tok = self.engine.tokenizer
+            # Shared where its calls only read (FastTokenizer: the Rust tokenizer's encode
+            # and decode borrow it immutably); transformers' tokenizers may reconfigure
+            # their backend per call, so that thread gets its own copy.
+            self._tokenizer = tok if getattr(tok, "shared_across_threads", False) \
+                else copy.deepcopy(tok)
         return self._tokenize_pool.submit(lambda: self._tokenizer(prompt).input_ids)
 
     def _admit_tokenized(self) -> None:

@@ -64,6 +64,20 @@ def trim_after_load(rank: int) -> int:
     return max(0, before - after)
 
 
+# Steps of at least this many tokens (prefill) are followed by a trim (trim_after_step).
+TRIM_STEP_TOKENS = 512
+
+
+def trim_after_step(num_tokens: int) -> bool:
+    """After a step of ``num_tokens``: give the heap's free pages back when the step was a
+    big prefill. keep_freed_memory keeps a step's activations mapped for the next one,
+    which decode steps (small, alike) profit from; a 2,048-token prefill of SmolLM2-135M
+    left ~130 MiB of freed activations resident for good (the worker's RSS 538 -> 673
+    MiB). A trim costs ~10-15 ms and the next prefill faults its pages in again: under
+    1% of a 512-token prefill step (~0.7 s on 2 cores). True when it trimmed."""
+    return num_tokens >= TRIM_STEP_TOKENS and release_freed_memory()
+
+
 def rss_bytes() -> int:
     """This process's resident set now (0 where /proc is not there)."""
     try:

@@ -37,7 +37,7 @@ from nvllm.common.errors import ProtocolError
 from nvllm.common.proc import die_with_parent, freeze_startup_objects, set_process_title
 from nvllm.common.transport import ArrayReader
 from nvllm.common.zmq_utils import make_socket
-from nvllm.worker.cpu_malloc import keep_freed_memory, trim_after_load
+from nvllm.worker.cpu_malloc import keep_freed_memory, trim_after_load, trim_after_step
 from nvllm.worker.model_runner import InvalidPlan, ModelRunner
 from nvllm.worker.parallel import TPContext
 from nvllm.worker.shm_allreduce import attach as attach_shm_allreduce
@@ -223,6 +223,8 @@ def run_worker(spec: dict) -> None:
         torch.set_num_threads(threads)
         if config.cpu_malloc_reuse:
             keep_freed_memory()
+    # What keep_freed_memory keeps of a big prefill goes back after it.
+    trim_steps = device.type == "cpu" and config.cpu_malloc_reuse
     torch.manual_seed(config.seed)
 
     ctx = zmq.Context()
@@ -300,6 +302,8 @@ def run_worker(spec: dict) -> None:
                     if tr is not None:
                         tr.event("result_sent", step=step_id)
                     result_sock.send(data)
+                if trim_steps:  # while the leader reads the result
+                    trim_after_step(runner.step_tokens)
             else:
                 logger.error("rank %d: ignoring a %s on the plan socket", rank,
                              type(msg).__name__)

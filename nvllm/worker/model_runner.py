@@ -62,6 +62,7 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, config.dtype)  # a name in config.DTYPES
         self.kv_dtype: torch.dtype = kv_cache_dtype(config)
         self.block_size = config.block_size
+        self.step_tokens = 0  # the last step's (the worker trims the heap after big ones)
         hf_config = load_hf_config(config.source.config_dir)
         arch = config.model_info.architecture
         self.backend = resolve_backend(config.attention_backend, device)
@@ -243,6 +244,7 @@ class ModelRunner:
         """Run one plan; `reader`: the plan ring, when its columns may live there."""
         t0 = time.perf_counter()
         step = self._apply(plan, reader)
+        self.step_tokens = step.num_tokens
         if not step.num_seqs:
             return (worker_protocol.StepResult(plan.step_id, [], [], None, 0.0)
                     if self.tp.rank == 0 else None)

@@ -125,3 +125,45 @@ def test_the_leader_tokenizer_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_one_fast_tokenizer_serves_threads_at_once(folders):
+    # The leader's tokenizing thread shares the engine's FastTokenizer (no copy): encode and
+    # decode from several threads at once give what one thread gives.
+    import threading
+
+    for folder in folders:
+        fast = open_tokenizer(folder)
+        if not isinstance(fast, FastTokenizer):
+            continue
+        assert fast.shared_across_threads
+        text = "The quick brown fox, 1234 times, jumps over the lazy dog. " * 20
+        ids = fast(text).input_ids
+        words = fast.decode(ids)
+        bad: list[str] = []
+
+        def work(fast=fast, text=text, ids=ids, words=words, bad=bad, folder=folder) -> None:
+            for _ in range(200):
+                if fast(text).input_ids != ids or fast.decode(ids) != words:
+                    bad.append(folder)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not bad
+
+
+def test_resolving_a_gguf_file_does_not_import_transformers(smollm2):
+    # Once its metadata is converted (the fixture's folder), resolving the file again (the
+    # leader and each worker do) reads the cache: transformers' import is ~37 MiB of RSS.
+    from nvllm.common.model_source import resolve_model_source
+
+    resolve_model_source(smollm2, None)
+    code = ("import sys; from nvllm.common.model_source import resolve_model_source; "
+            f"s = resolve_model_source({smollm2!r}, None); "
+            "print(s.tokenizer, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip().endswith(" False"), out.stdout + out.stderr

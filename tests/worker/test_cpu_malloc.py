@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from nvllm.worker import cpu_malloc
+
 PROBE = """
 import ctypes, json, resource
 import torch
@@ -93,3 +95,12 @@ def test_trim_after_load_returns_the_loads_free_heap():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["released"] > 48 << 20, got  # most of the 64 MiB goes back to the OS
     assert got["after"] < got["kept"] - (48 << 20)
+
+
+def test_big_steps_are_trimmed_after(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_malloc, "release_freed_memory", lambda: calls.append(1) or True)
+    assert not cpu_malloc.trim_after_step(cpu_malloc.TRIM_STEP_TOKENS - 1)  # decode, small
+    assert calls == []
+    assert cpu_malloc.trim_after_step(cpu_malloc.TRIM_STEP_TOKENS)  # a prefill
+    assert calls == [1]
