@@ -12,11 +12,15 @@ one chunk (``chunk_bytes``, or one tensor larger than that) is in flight.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+# numpy and the transport are imported where a transfer runs: the HTTP gateway imports
+# this module (through the client's RL calls) and never sends weights, and numpy is ~13
+# MiB of its resident set.
+if TYPE_CHECKING:
+    import numpy as np
 
-from nvllm.common.transport import ArrayRef, ArrayWriter, TransportError, inline_ref
+    from nvllm.common.transport import ArrayRef, ArrayWriter
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 # Chunks that travel inline in client frames stay under the server's frame limit.
@@ -31,7 +35,7 @@ WEIGHT_VERSION_MAX_CHARS = 256
 
 NamedTensors = Mapping[str, Any] | Iterable[tuple[str, Any]]
 # (name, torch dtype name, the tensor's bytes as a numpy array of its wire dtype)
-WireTensor = tuple[str, str, np.ndarray]
+WireTensor = tuple[str, str, "np.ndarray"]
 
 
 class WeightUpdateError(ValueError):
@@ -75,6 +79,8 @@ def check_name(name: Any) -> str:
 def as_wire(name: str, tensor: Any) -> WireTensor:
     """A CPU torch tensor (or numpy array) as its wire form, without a copy when it is
     contiguous: the one copy is the ring write."""
+    import numpy as np
+
     check_name(name)
     if hasattr(tensor, "detach"):  # torch, duck-typed: nvllm.common imports no torch
         t = tensor.detach()
@@ -175,6 +181,8 @@ def push_weights(named_tensors: NamedTensors, send: SendChunk,
 
 
 def _ring(capacity: int) -> ArrayWriter:
+    from nvllm.common.transport import ArrayWriter, TransportError
+
     slot = 64 << 10
     try:
         return ArrayWriter(capacity_bytes=-(-capacity // slot) * slot, slot_bytes=slot,
@@ -185,6 +193,10 @@ def _ring(capacity: int) -> ArrayWriter:
 
 
 def _write(writer: ArrayWriter | None, chunk: list[WireTensor]) -> list[ArrayRef]:
+    import numpy as np
+
+    from nvllm.common.transport import inline_ref
+
     if writer is None:
         return [inline_ref(a) for _, _, a in chunk]
     res = writer.reserve([(a.shape, a.dtype) for _, _, a in chunk])
