@@ -10,9 +10,10 @@ It serves a step when all of these hold, else the model's per-layer path runs as
 - the model: one tensor-parallel rank; the cpu backend with its ops built; every layer a
   Llama-family decoder (no q/k norm, no biases, a dense MLP, not experts) whose four
   linears are held quantized (``QuantizedWeight``: GGUF files, ``--quantization``);
-- the step: paged attention (``--no-cpu-kv-mirror``) serving every row (decodes, verify
-  rows, short prompt chunks: ``cpu_attention.paged_rows``), and no more rows than the
-  native quantized op takes (``quant.native_max_rows``).
+- the step: float32 or bfloat16, the native decode attention serving every row
+  (decodes, verify rows, short prompt chunks; the pages read in place or each sequence's
+  contiguous copy), and no more rows than the native quantized op takes
+  (``quant.native_max_rows``).
 
 The stack refers to the modules' tensors (not copies). It is rebuilt when the KV cache is
 (``init_kv_cache``), and dropped (``forget``) when sleep or a weight update may have
@@ -101,7 +102,9 @@ def run(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the last layer's output, the residual stream) for the embeddings x, as the
     per-layer path computes them; None where the stack does not serve this step."""
-    if not enabled() or x.dim() != 2 or not 0 < x.shape[0] <= native_max_rows(x.dtype):
+    if not enabled() or x.dim() != 2 or x.device.type != "cpu" \
+            or x.dtype not in (torch.float32, torch.bfloat16) \
+            or not 0 < x.shape[0] <= native_max_rows(x.dtype):  # the native ops' dtypes
         return None
     layers = model.layers
     k0 = layers[0].self_attn.attn.k_cache

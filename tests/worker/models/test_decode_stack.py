@@ -135,6 +135,9 @@ def test_models_it_does_not_fit_take_the_layers(model, monkeypatch):
         _, served = trace(runner, True, monkeypatch)
         assert served == 0
         assert decode_stack.build(runner.model) is None
+    # Activations the native ops do not take (float16) never reach the model's stack.
+    x = torch.zeros(1, 64, dtype=torch.float16)
+    assert decode_stack.run(None, x, torch.zeros(1, dtype=torch.long), None) is None
 
 
 def test_a_new_kv_cache_rebuilds_the_stack(model, monkeypatch):
