@@ -131,6 +131,7 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
     from nvllm.kernels.metadata import build_metadata
 
     attn, layer, moe, quant = _kernel_modules()
+    from nvllm.kernels.triton_dot import dot_upcast
     dtype = getattr(torch, dtype_name)
     t, h, kh, d = _TOKENS, shape.heads, shape.kv_heads, shape.head_dim
     out: list[Launch] = []
@@ -177,10 +178,10 @@ def record_launches(shape: ModelShape, dtype_name: str, page_size: int) -> list[
         _record_quant(rec, quant, shape, dtype, out)
 
     # DOT_UPCAST widens bf16 dots only under the interpreter (CPU tensors); a CUDA launch
-    # passes what _dot_upcast says for a CUDA device.
+    # passes what dot_upcast says for a CUDA device.
     for launch in out:
         if "DOT_UPCAST" in launch.kwargs:
-            launch.kwargs["DOT_UPCAST"] = attn._dot_upcast(dtype, torch.device("cuda"))
+            launch.kwargs["DOT_UPCAST"] = dot_upcast(dtype, torch.device("cuda"))
     return out
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from nvllm.kernels.metadata import AttentionMetadata
+from nvllm.kernels.triton_dot import dot_precision, dot_upcast, mma
 
 _LOG2E = 1.4426950408889634
 
@@ -67,12 +68,6 @@ def _extend_config(block_d: int, group: int, fp32: bool) -> tuple[int, int, int]
     return max(block_m, triton.next_power_of_2(group)), block_n, num_warps
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact fp32 products ("ieee"), not TF32, so fp32 runs match the reference
-    # tightly (fp32 is the debugging / parity dtype; bf16/fp16 use tensor cores regardless).
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache / v_cache must both be [num_blocks, block_size, "
@@ -80,14 +75,6 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(v_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous (stride 1)")
-
-
-def _dot_upcast(dtype: torch.dtype, device: torch.device) -> bool:
-    # The Triton interpreter's tl.dot multiplies bf16 operands as their raw uint16 bit patterns
-    # (triton 3.x), so under the interpreter (CPU tensors) bf16 operands are widened to fp32
-    # first: bf16 -> fp32 is exact and a bf16 MMA also accumulates exact products in fp32, so
-    # the result is what the GPU computes. Never set for CUDA tensors.
-    return dtype == torch.bfloat16 and device.type != "cuda"
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -169,14 +156,6 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
-def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """acc + a @ b in fp32 (acc may be None); see _dot_upcast for DOT_UPCAST."""
-    if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _attend_range(
     q, m_i, l_i, acc, q_pos,
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head,
@@ -207,7 +186,7 @@ def _attend_range(
         k = tl.load(k_cache_ptr + (blk * stride_kcb + row * stride_kcs
                                    + kv_head * stride_kch)[:, None] + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        s = _mma(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale
+        s = mma(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale
         keep = n_mask[None, :]
         if CAUSAL:
             keep = keep & (pos[None, :] <= q_pos[:, None])
@@ -227,7 +206,7 @@ def _attend_range(
                                    + kv_head * stride_vch)[:, None] + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         # p in the cache dtype for the tensor-core p@v (as flash attention does); fp32 stays fp32.
-        acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -408,7 +387,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype, q.device),
+        DOT_PRECISION=dot_precision(q.dtype), DOT_UPCAST=dot_upcast(q.dtype, q.device),
         WRITE_OUT=write_out, num_warps=num_warps, num_stages=2,
     )
     if not write_out:
@@ -548,8 +527,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, DOT_PRECISION=_dot_precision(q.dtype),
-        DOT_UPCAST=_dot_upcast(q.dtype, q.device), SLIDING=bool(window),
+        PAGE_SIZE=page_size, DOT_PRECISION=dot_precision(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype, q.device), SLIDING=bool(window),
         num_warps=num_warps, num_stages=2,
     )
     return out

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvllm.kernels.triton_attention import _dot_precision, _dot_upcast, _mma
+from nvllm.kernels.triton_dot import dot_precision, dot_upcast, mma
 from nvllm.kernels.triton_layer_ops import _cast
 
 # Tokens per pass: bounds the scratch buffers ([T*K, I] intermediate in x's dtype and the
@@ -157,8 +157,8 @@ def _moe_gate_up_kernel(
         b_mask = k_mask[:, None] & col_mask[None, :]
         g = tl.load(g_ptrs, mask=b_mask, other=0.0)
         u = tl.load(u_ptrs, mask=b_mask, other=0.0)
-        acc_g = _mma(a, g, acc_g, DOT_PRECISION, DOT_UPCAST)
-        acc_u = _mma(a, u, acc_u, DOT_PRECISION, DOT_UPCAST)
+        acc_g = mma(a, g, acc_g, DOT_PRECISION, DOT_UPCAST)
+        acc_u = mma(a, u, acc_u, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -199,7 +199,7 @@ def _moe_down_kernel(
         k_mask = ks < INTER - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _mma(a, b, acc, DOT_PRECISION, DOT_UPCAST)
+        acc = mma(a, b, acc, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -256,7 +256,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         return out.zero_()
     x, w13, w2 = _unit_inner(x), _unit_inner(w13), _unit_inner(w2)
     weights = topk_weights.to(torch.float32)
-    precision, upcast = _dot_precision(x.dtype), _dot_upcast(x.dtype, x.device)
+    precision, upcast = dot_precision(x.dtype), dot_upcast(x.dtype, x.device)
 
     for s in range(0, t, _CHUNK_TOKENS):
         xs, ids = x[s:s + _CHUNK_TOKENS], topk_ids[s:s + _CHUNK_TOKENS]

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvllm.kernels.triton_attention import _dot_precision, _dot_upcast, _mma
+from nvllm.kernels.triton_dot import dot_precision, dot_upcast, mma
 from nvllm.kernels.triton_layer_ops import _cast
 
 GROUP = 32  # values per scale (nvllm/worker/layers/quant.py's GROUP)
@@ -124,8 +124,8 @@ def _quant_matmul_kernel(
                            other=0.0)
             w_lo = _dequant(b & 0xF, s, mn, HAS_MIN, 8, dtype)
             w_hi = _dequant(b >> 4, s, mn, HAS_MIN, 8, dtype)
-            acc = _mma(x_lo, w_lo, acc, DOT_PRECISION, DOT_UPCAST)
-            acc = _mma(x_hi, w_hi, acc, DOT_PRECISION, DOT_UPCAST)
+            acc = mma(x_lo, w_lo, acc, DOT_PRECISION, DOT_UPCAST)
+            acc = mma(x_hi, w_hi, acc, DOT_PRECISION, DOT_UPCAST)
     else:
         kk = tl.arange(0, GROUPS_PER_STEP * _G)
         g = kk // _G
@@ -139,7 +139,7 @@ def _quant_matmul_kernel(
                 mn = tl.load(mn_ptr + s_col + (g0 + g)[:, None], mask=w_mask, other=0.0)
             x = tl.load(x_row + (kk + g0 * _G)[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = _mma(x, _dequant(q, s, mn, HAS_MIN, 0, dtype), acc, DOT_PRECISION,
+            acc = mma(x, _dequant(q, s, mn, HAS_MIN, 0, dtype), acc, DOT_PRECISION,
                        DOT_UPCAST)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, _cast(acc, out_ptr.dtype.element_ty),
@@ -173,7 +173,7 @@ def _fp8_matmul_kernel(
         k_mask = ks < K - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _mma(x, w.to(tl.float32).to(dtype), acc, DOT_PRECISION, DOT_UPCAST)
+        acc = mma(x, w.to(tl.float32).to(dtype), acc, DOT_PRECISION, DOT_UPCAST)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)
@@ -216,8 +216,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, x.stride(0), qweight, qweight.stride(0), scales, mins, scales.stride(0),
         out, out.stride(0), x.shape[0], n, k,
         BITS=bits, HAS_MIN=mins is not scales, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUPS_PER_STEP=gps, DOT_PRECISION=_dot_precision(x.dtype),
-        DOT_UPCAST=_dot_upcast(x.dtype, x.device), num_warps=warps, num_stages=stages,
+        GROUPS_PER_STEP=gps, DOT_PRECISION=dot_precision(x.dtype),
+        DOT_UPCAST=dot_upcast(x.dtype, x.device), num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -239,7 +239,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> t
     _fp8_matmul_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), scales, out, out.stride(0),
         x.shape[0], n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=gps * GROUP,
-        DOT_PRECISION=_dot_precision(x.dtype), DOT_UPCAST=_dot_upcast(x.dtype, x.device),
+        DOT_PRECISION=dot_precision(x.dtype), DOT_UPCAST=dot_upcast(x.dtype, x.device),
         num_warps=warps, num_stages=stages,
     )
     return out
