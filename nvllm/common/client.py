@@ -250,6 +250,29 @@ class Client(WeightSourceClient, SleepClient):
     def metrics(self) -> str:
         return self._request(cp.MetricsRequest(), cp.Metrics)["text"]
 
+    def tokenize(self, prompt: str, *, add_special_tokens: bool = True,
+                 return_token_strs: bool = False) -> dict:
+        """`prompt`'s ids by the engine's tokenizer: ``token_ids``, and ``token_strs`` when
+        asked (the vocabulary's string of each)."""
+        rid = self._prefix + str(next(self._ids))
+        return self._ask(rid, cp.Tokenize(id=rid, prompt=prompt,
+                                          add_special_tokens=add_special_tokens,
+                                          return_token_strs=return_token_strs))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` by the engine's tokenizer."""
+        rid = self._prefix + str(next(self._ids))
+        return self._ask(rid, cp.Detokenize(id=rid, token_ids=list(token_ids)))["text"]
+
+    def _ask(self, rid: str, msg: Any) -> dict:
+        """One question answered by one message with its id (or an error, raised)."""
+        epoch = self._boots.epoch
+        self._send(cp.encode(msg))
+        try:
+            return _control_result(self._wait_for(rid, (), epoch))
+        finally:
+            self._inbox.pop(rid, None)
+
     def stream(self, prompt: str | list[int], params: SamplingParams | dict | None = None, *,
                request_id: str | None = None, priority: int = 0,
                ttl_ms: int | None = None,
@@ -428,6 +451,32 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
 
     async def metrics(self) -> str:
         return (await self._request(cp.MetricsRequest()))["text"]
+
+    async def tokenize(self, prompt: str, *, add_special_tokens: bool = True,
+                       return_token_strs: bool = False) -> dict:
+        """As Client.tokenize."""
+        rid = self._prefix + str(next(self._ids))
+        return await self._ask(cp.Tokenize(id=rid, prompt=prompt,
+                                           add_special_tokens=add_special_tokens,
+                                           return_token_strs=return_token_strs))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """As Client.detokenize."""
+        rid = self._prefix + str(next(self._ids))
+        return (await self._ask(cp.Detokenize(id=rid, token_ids=list(token_ids))))["text"]
+
+    async def _ask(self, msg: Any) -> dict:
+        """One question answered by one message with its id (or an error, raised)."""
+        self._ensure_tasks()
+        rid = str(msg.id)
+        queue: asyncio.Queue = asyncio.Queue(self.max_buffered)
+        self._queues[rid] = queue
+        try:
+            await self._send(cp.encode(msg))
+            return _control_result(await self._next(queue))
+        finally:
+            self._queues.pop(rid, None)
+            self._ended.discard(rid)
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                      *, request_id: str | None = None, priority: int = 0,

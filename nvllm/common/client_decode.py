@@ -104,11 +104,24 @@ def _types(lim: ClientLimits) -> tuple[Any, type]:
         id: _bounded_str(lim.max_request_id_bytes) | Int64  # type: ignore[valid-type]
         v: Literal[1] = 1
 
+    class Tokenize(msgspec.Struct, tag_field="op", tag="tokenize"):
+        id: _bounded_str(lim.max_request_id_bytes) | Int64  # type: ignore[valid-type]
+        prompt: _bounded_str(lim.max_prompt_bytes)  # type: ignore[valid-type]
+        add_special_tokens: bool = True
+        return_token_strs: bool = False
+        v: Literal[1] = 1
+
+    class Detokenize(msgspec.Struct, tag_field="op", tag="detokenize"):
+        id: _bounded_str(lim.max_request_id_bytes) | Int64  # type: ignore[valid-type]
+        token_ids: Annotated[list[TokenId], Meta(max_length=lim.max_model_len)]
+        v: Literal[1] = 1
+
     plain = tuple(msgspec.defstruct(c.__name__, [("v", Literal[1], 1)], tag_field="op",
                                     tag=c.OP) for c in (cp.InfoRequest, cp.HealthRequest,
                                                         cp.MetricsRequest, cp.Ping,
                                                         cp.ResumeGeneration, cp.WeightsAbort))
-    union = Submit | Abort | plain[0] | plain[1] | plain[2] | plain[3] | plain[4] | plain[5]
+    union = (Submit | Abort | Tokenize | Detokenize | plain[0] | plain[1] | plain[2]
+             | plain[3] | plain[4] | plain[5])
     for extra in _weight_types() + _weight_source_types() + _sleep_types():
         union = union | extra
     return union, Submit  # type: ignore[return-value]
@@ -231,6 +244,8 @@ def decode_client_frame(payload: bytes,
     cls = _BY_OP[type(frame).__struct_config__.tag]
     if cls is cp.Abort:
         return cls(frame.id)
+    if cls in (cp.Tokenize, cp.Detokenize):
+        return _tokenize(cls, frame, lim)
     if cls is cp.PauseGeneration:
         return cls(mode=frame.mode, clear_cache=frame.clear_cache)
     if cls is cp.WeightsCommit:
@@ -245,6 +260,29 @@ def decode_client_frame(payload: bytes,
     if cls is cp.WakeUp:
         return cls(tags=None if frame.tags is None else list(frame.tags))
     return cls()
+
+
+def _tokenize(cls: type, frame: Any, lim: ClientLimits) -> cp.ClientMessage:
+    """tokenize: the text's size in bytes; detokenize: every id inside the vocabulary."""
+    rid = frame.id
+    try:
+        _check_bytes("id", rid, lim.max_request_id_bytes, "max_request_id_bytes")
+        if cls is cp.Tokenize:
+            _check_bytes("prompt", frame.prompt, lim.max_prompt_bytes, "max_prompt_bytes")
+            return cp.Tokenize(id=rid, prompt=frame.prompt,
+                               add_special_tokens=frame.add_special_tokens,
+                               return_token_strs=frame.return_token_strs)
+    except FieldError as e:
+        raise cp.ClientProtocolError(e.code, e.message, None if e.field == "id" else rid) \
+            from None
+    vocab = lim.vocab_size
+    if vocab is not None:
+        for j, t in enumerate(frame.token_ids):
+            if t >= vocab:
+                raise cp.ClientProtocolError(
+                    "invalid_request", f"token_ids[{j}] is {t}, outside the vocabulary "
+                    f"(ids 0..{vocab - 1}: vocab_size {vocab})", rid)
+    return cp.Detokenize(id=rid, token_ids=list(frame.token_ids))
 
 
 def _weight_source(cls: type, frame: Any) -> cp.ClientMessage:

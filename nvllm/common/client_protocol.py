@@ -175,6 +175,25 @@ class WakeUp(ClientMessage, tag="wake_up"):
     OP: ClassVar[str] = "wake_up"
 
 
+class Tokenize(ClientMessage, tag="tokenize"):
+    """A text's token ids by the engine's own tokenizer (answer: ``tokenize``), so a
+    front end (the OpenAI gateway's ``/tokenize``) need not load a second copy of it."""
+
+    id: RequestId
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False  # also each id's token string (the vocabulary's)
+    OP: ClassVar[str] = "tokenize"
+
+
+class Detokenize(ClientMessage, tag="detokenize"):
+    """Token ids back to text by the engine's tokenizer (answer: ``detokenize``)."""
+
+    id: RequestId
+    token_ids: list[int]
+    OP: ClassVar[str] = "detokenize"
+
+
 class StateRequest(ClientMessage, tag="state"):
     OP: ClassVar[str] = "state"
 
@@ -341,18 +360,34 @@ class EngineState(ServerMessage, tag="state", omit_defaults=False):
     OP: ClassVar[str] = "state"
 
 
+class Tokenized(ServerMessage, tag="tokenize", omit_defaults=False):
+    id: RequestId
+    token_ids: list[int]
+    token_strs: list[str | None] | None = None
+    OP: ClassVar[str] = "tokenize"
+
+
+class Detokenized(ServerMessage, tag="detokenize", omit_defaults=False):
+    id: RequestId
+    text: str
+    OP: ClassVar[str] = "detokenize"
+
+
 CLIENT_MESSAGES: tuple[type, ...] = (Submit, Abort, InfoRequest, HealthRequest,
                                      MetricsRequest, Ping, PauseGeneration, ResumeGeneration,
                                      WeightsChunk, WeightsCommit, WeightsAbort,
                                      InitWeightUpdateGroup, WeightsFromDistributed,
-                                     UpdateWeightsFromPath, Sleep, WakeUp, StateRequest)
+                                     UpdateWeightsFromPath, Sleep, WakeUp, StateRequest,
+                                     Tokenize, Detokenize)
 SERVER_MESSAGES: tuple[type, ...] = (Output, Error, Info, Health, Metrics, Pong, Paused,
                                      Resumed, WeightsStaged, WeightsCommitted, WeightsAborted,
                                      WeightUpdateGroupReady, DistributedStaged,
-                                     WeightsFromPathLoaded, Slept, WokeUp, EngineState)
+                                     WeightsFromPathLoaded, Slept, WokeUp, EngineState,
+                                     Tokenized, Detokenized)
 ServerFrame = (Output | Error | Info | Health | Metrics | Pong | Paused | Resumed
                | WeightsStaged | WeightsCommitted | WeightsAborted | WeightUpdateGroupReady
-               | DistributedStaged | WeightsFromPathLoaded | Slept | WokeUp | EngineState)
+               | DistributedStaged | WeightsFromPathLoaded | Slept | WokeUp | EngineState
+               | Tokenized | Detokenized)
 
 
 # ---- encoding --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ _LIMIT_OF = {
     "prompt": "max_prompt_bytes",
     "prompt_token_ids": "max_model_len",
     "output_token_ids": "max_model_len",
+    "token_ids": "max_model_len",  # detokenize
     "params.n": "max_n",
     "params.stop_token_ids": "max_stop_token_ids",
     "params.logit_bias": "max_logit_bias",
@@ -33,8 +34,8 @@ _BYTE_LIMITS = {"max_request_id_bytes", "max_prompt_bytes", "max_grammar_bytes"}
 _TYPE_NAMES = {"array": "a list", "object": "a map", "str": "a string", "int": "an integer",
                "float": "a number", "bool": "a bool", "null": "null", "bytes": "bytes"}
 _FIXED = {  # fields whose error says more than its type
-    "op": ("bad_op", "unknown op (expected one of abort, health, info, metrics, ping, "
-                     "submit)"),
+    "op": ("bad_op", "unknown op (expected one of abort, detokenize, health, info, metrics, "
+                     "ping, submit, tokenize, or a weight, sleep or state message)"),
     "v": ("bad_version", "protocol version must be 1 (the leader speaks version 1)"),
     "stream": ("invalid_request", "'stream' must be true or absent: every request streams "
                                   "its outputs (collect them on the client)"),
@@ -115,7 +116,8 @@ def _bound(field: str, path: str, what: str, limits: ClientLimits) -> FieldError
     rng = re.match(r"Expected `(\w+)` (<=|>=|<|>) (\S+)", what)
     if rng:
         kind, op, n = rng.groups()
-        if field in ("prompt_token_ids", "output_token_ids", "params.stop_token_ids"):
+        if field in ("prompt_token_ids", "output_token_ids", "params.stop_token_ids",
+                     "token_ids"):
             return FieldError(code, field, f"{path} is outside the vocabulary (token ids are "
                                            f"integers in [0, 2**63))")
         if n.lstrip("-").isdigit() and int(n) in (INT64_MAX, INT64_MIN):

@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from nvllm.leader.rollout_control import MESSAGES as ROLLOUT_MESSAGES
 from nvllm.leader.rollout_control import RolloutControl
 from nvllm.leader.sleep_control import MESSAGES as SLEEP_MESSAGES
 from nvllm.leader.sleep_control import SleepControl
+from nvllm.leader.tokenize_control import MESSAGES as TOKENIZE_MESSAGES
+from nvllm.leader.tokenize_control import TokenizeControl
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +127,8 @@ class EngineServer:
         # pause/resume and weight updates from clients (nvllm/leader/rollout_control.py)
         self.rollout = RolloutControl(self)
         self.sleep = SleepControl(self)  # sleep / wake_up (nvllm/leader/sleep_control.py)
+        # tokenize / detokenize for front ends (nvllm/leader/tokenize_control.py)
+        self.tokenize = TokenizeControl(self, INLINE_TOKENIZE_CHARS)
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -211,6 +216,11 @@ class EngineServer:
                 "shutting down" if self.draining else None)))
         if isinstance(msg, cp.MetricsRequest):
             return self._send(client, cp.Metrics(self.engine.metrics.exposition()))
+        if isinstance(msg, TOKENIZE_MESSAGES):
+            if self.draining:
+                return self._error(client, msg.id, "engine_unavailable",
+                                   "the engine is shutting down")
+            return self.tokenize.handle(client, msg)
         if isinstance(msg, ROLLOUT_MESSAGES):
             if self.dead is not None:
                 return self._error(client, None, "engine_unavailable", self.dead)
@@ -268,7 +278,8 @@ class EngineServer:
             self._error(client, msg.id, code, str(e))
         return False
 
-    def _tokenize_later(self, prompt: str) -> Future:
+    def off_loop(self, fn: Callable[[Any], Any]) -> Future:
+        """`fn(tokenizer)` on the tokenizing thread, off the step loop."""
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nvllm-tokenize")
             tok = self.engine.tokenizer
@@ -277,7 +288,10 @@ class EngineServer:
             # their backend per call, so that thread gets its own copy.
             self._tokenizer = tok if getattr(tok, "shared_across_threads", False) \
                 else copy.deepcopy(tok)
-        return self._tokenize_pool.submit(lambda: self._tokenizer(prompt).input_ids)
+        return self._tokenize_pool.submit(lambda: fn(self._tokenizer))
+
+    def _tokenize_later(self, prompt: str) -> Future:
+        return self.off_loop(lambda tok: tok(prompt).input_ids)
 
     def _admit_tokenized(self) -> None:
         """Admit the submits whose prompts are tokenized and grammars compiled, in arrival
@@ -401,8 +415,10 @@ class EngineServer:
         while not stop.is_set():
             busy = self.dead is None and self.engine.has_unfinished_requests() \
                 and not self.rollout.settled
-            self._drain(0 if busy else 5 if self._tokenizing else IDLE_POLL_MS)
+            self._drain(0 if busy else 5 if self._tokenizing or self.tokenize.pending
+                        else IDLE_POLL_MS)
             self._admit_tokenized()
+            self.tokenize.poll()
             if not busy and batch_wait and self.engine.has_unfinished_requests():
                 # Idle until now: give more arrivals a moment to join the first prefill.
                 deadline = time.monotonic() + batch_wait
@@ -416,6 +432,7 @@ class EngineServer:
             self._drain(0)
             self._admit_tokenized()
             self._step()
+        self.tokenize.cancel_all("the engine is shutting down")
         for internal in list(self._tokenizing):  # never admitted: end them here
             msg, _, _ = self._tokenizing.pop(internal)
             owner = self._owners.pop(internal, None)

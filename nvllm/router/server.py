@@ -260,6 +260,11 @@ class Router:
                 return self._error(client, None, "engine_unavailable",
                                    f"no replica is up ({self._why_down()})")
             return None
+        if op in ("tokenize", "detokenize"):  # a front end then uses its own tokenizer
+            rid = msg.get("id")
+            return self._error(client, rid if _valid_id(rid, self.config.max_request_id_bytes)
+                               else None, "bad_op", f"the data-parallel router does not "
+                               f"answer {op}: use the model's tokenizer on the client")
         if op in GROUP_OPS:
             return self._error(client, None, "bad_op", GROUP_REFUSAL.format(op=op))
         return self._error(client, None, "bad_op", "unknown op (expected one of abort, "

@@ -280,3 +280,16 @@ def test_the_trees_predicted_match_is_counted_against_the_replicas_cached_tokens
         assert 'nvllm_router:prefix_overestimated_total{replica="0"} 1.0' in text
     finally:
         leader.close()
+
+
+def test_tokenize_is_refused_so_a_front_end_uses_its_own_tokenizer(stalling, router):
+    from nvllm.common.client import ClientError
+
+    r = router([leader.endpoint for leader in stalling])
+    with Client(r.endpoint, timeout_s=10) as c:
+        with pytest.raises(ClientError, match="does not answer tokenize") as e:
+            c.tokenize("hello")
+        assert e.value.code == "bad_op"
+        with pytest.raises(ClientError, match="does not answer detokenize"):
+            c.detokenize([1, 2])
+    assert not [m for leader in stalling for m in leader.controls]

@@ -23,6 +23,9 @@ class FakeLeader:
         self.script: list[str] | None = None
         self.error: tuple[str, str] | None = None
         self.cached_tokens = 0  # each final output's usage.cached_tokens
+        # tokenize / detokenize: answered with these ids (and "t<id>" strings) / this
+        # text, or refused with bad_op as a data-parallel router refuses them.
+        self.token_ids, self.text, self.refuse_tokenize = [7, 8, 9], "from the leader", False
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -59,6 +62,17 @@ class FakeLeader:
                 send(peer, {"op": "metrics", "text": "fake_leader_up 1\n"})
             elif op == "ping":
                 send(peer, {"op": "pong"})
+            elif op in ("tokenize", "detokenize"):
+                self.controls.append(msg)
+                if self.refuse_tokenize:
+                    send(peer, {"op": "error", "id": msg["id"], "code": "bad_op",
+                                "message": f"the router does not answer {op}"})
+                elif op == "tokenize":
+                    send(peer, {"op": op, "id": msg["id"], "token_ids": self.token_ids,
+                                "token_strs": [f"t{i}" for i in self.token_ids]
+                                if msg.get("return_token_strs") else None})
+                else:
+                    send(peer, {"op": op, "id": msg["id"], "text": self.text})
             elif op in ("weights_from_path", "init_weight_update_group"):
                 self.controls.append(msg)
                 send(peer, {"op": "error", "id": None, "code": self.error[0],

@@ -40,6 +40,7 @@ class GatewayState:
         self._info: dict | None = None
         self._tokenizer: Any = None
         self._tokens: TokenText | None = None
+        self._leader_tokenizes = True
         self._lock = asyncio.Lock()
         # Chat templates render here, off the event loop and apart from the default
         # executor (body parsing, tokenizer loading), so slow renders cannot stall those.
@@ -70,6 +71,16 @@ class GatewayState:
             raise ApiError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{await self.served_name()}'", param="model",
                            code="model_not_found")
+
+    @property
+    def leader_tokenizes(self) -> bool:
+        """Whether /tokenize and /detokenize ask the leader, whose tokenizer is the
+        model's: not when the gateway was given another (--tokenizer), nor once the
+        leader refused (a data-parallel router does), when the gateway loads its own."""
+        return self.cfg.tokenizer is None and self._leader_tokenizes
+
+    def leader_refused_tokenize(self) -> None:
+        self._leader_tokenizes = False
 
     async def tokenizer(self) -> Any:
         if self._tokenizer is None:

@@ -6,20 +6,25 @@ false, "add_special_tokens": false, "chat_template_kwargs": {...}, "tools": [...
 (rendered exactly as ``/v1/chat/completions`` renders it), plus ``"return_token_strs"``; it answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``. ``POST /detokenize`` takes
 ``{"tokens": [int, ...]}`` and answers ``{"prompt": str}``. Both sit behind the API key
-like ``/v1``, read their body within the gateway's byte limit, and tokenize or render in
-the gateway's render pool.
+like ``/v1`` and read their body within the gateway's byte limit. Plain text and token
+ids go to the leader (its ``tokenize`` / ``detokenize`` ops: the engine's own tokenizer,
+so the gateway holds no second copy of it); the chat form renders in the gateway's render
+pool, as ``/v1/chat/completions`` does, and so does everything when the gateway was given
+its own ``--tokenizer`` or sits in front of a data-parallel router.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from nvllm.common.client import ClientError
 from nvllm.launch.openai.body import parse_plain_body
 from nvllm.launch.openai.chat import render_ids
-from nvllm.launch.openai.errors import ApiError
+from nvllm.launch.openai.errors import ApiError, from_leader
 from nvllm.launch.openai.schemas import (
     MAX_MESSAGES,
     MAX_PROMPT_TOKEN_IDS,
@@ -65,17 +70,42 @@ def _tokenize(tok: Any, body: TokenizeCompletionBody | TokenizeChatBody) -> list
     return list(tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
 
 
+async def _ask_leader(state: GatewayState, call: Callable[[], Awaitable[Any]]) -> Any:
+    """The leader's answer; None where the gateway tokenizes itself (see
+    GatewayState.leader_tokenizes)."""
+    if not state.leader_tokenizes:
+        return None
+    try:
+        return await call()
+    except ClientError as e:
+        if e.code == "bad_op":  # a data-parallel router, or a leader that predates the op
+            state.leader_refused_tokenize()
+            return None
+        raise from_leader(e) from e
+    except Exception as e:
+        raise from_leader(e) from e
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
     state: GatewayState = request.app.state.gateway
     body = await parse_plain_body(
         request, state, lambda raw: TokenizeChatBody if isinstance(raw, dict)
         and "messages" in raw else TokenizeCompletionBody)
-    tok = await state.tokenizer()
-    ids = await state.render(_tokenize, tok, body)
     info = await state.info()
+    got = None
+    if isinstance(body, TokenizeCompletionBody):  # plain text: the leader's tokenizer
+        got = await _ask_leader(state, lambda: state.client.tokenize(
+            body.prompt, add_special_tokens=body.add_special_tokens,
+            return_token_strs=body.return_token_strs))
+    if got is not None:
+        ids, strs = got["token_ids"], got.get("token_strs")
+    else:
+        tok = await state.tokenizer()
+        ids = await state.render(_tokenize, tok, body)
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": info.get("max_model_len"), "tokens": ids,
-            "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+            "token_strs": strs}
 
 
 @router.post("/detokenize")
@@ -87,5 +117,8 @@ async def detokenize(request: Request) -> dict:
         if vocab and t >= vocab:
             raise ApiError(400, f"tokens.{j} is {t}, outside the vocabulary (0..{vocab - 1})",
                            param=f"tokens.{j}", code="invalid_value")
-    tok = await state.tokenizer()
-    return {"prompt": await state.render(tok.decode, body.tokens)}
+    text = await _ask_leader(state, lambda: state.client.detokenize(body.tokens))
+    if text is None:
+        tok = await state.tokenizer()
+        text = await state.render(tok.decode, body.tokens)
+    return {"prompt": text}
