@@ -21,7 +21,7 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 ``a8_rows`` rows (decode), x quantized to int8 per group of 32 and integer dot products
 (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI: llama.cpp's Q8 activations; results move
 by x's rounding, at most half its step per value; opt-in, NVLLM_QUANT_ACTIVATIONS);
-else nvllm's native op (``csrc/cpu_quant_linear.cpp``, dequantize-in-register, float32
+else nvllm's native op (``csrc/cpu_quant_linear.cpp``, integers in registers, float32
 accumulation) for up to ``native_max_rows`` rows, else a tile of W's rows dequantized into x's dtype
 (one native pass, or the torch reference ``dequantize`` without the native ops) and
 ``torch.mm``. ``quantize`` is round-to-nearest per group (asymmetric, over the group's
