@@ -27,6 +27,7 @@ from nvllm.common.errors import EngineDeadError, NvllmError, RequestRejected
 from nvllm.common.outputs import CompletionDelta, RequestAccumulator, RequestOutput
 from nvllm.common.sampling_params import SamplingParams
 from nvllm.common.sleep_client import AsyncSleepClient, SleepClient
+from nvllm.common.tokenize_client import AsyncTokenizeClient, TokenizeClient
 from nvllm.common.trace import Tracer
 from nvllm.common.weight_source_client import AsyncWeightSourceClient, WeightSourceClient
 from nvllm.common.weight_transfer import WeightUpdateError
@@ -169,7 +170,7 @@ def _n_of(params: SamplingParams | dict | None) -> int:
     return int((params or {}).get("n", 1))
 
 
-class Client(WeightSourceClient, SleepClient):
+class Client(WeightSourceClient, SleepClient, TokenizeClient):
     """Synchronous client. ``stream()`` yields ``StreamDelta``s; ``generate()`` collects."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
@@ -250,22 +251,12 @@ class Client(WeightSourceClient, SleepClient):
     def metrics(self) -> str:
         return self._request(cp.MetricsRequest(), cp.Metrics)["text"]
 
-    def tokenize(self, prompt: str, *, add_special_tokens: bool = True,
-                 return_token_strs: bool = False) -> dict:
-        """`prompt`'s ids by the engine's tokenizer: ``token_ids``, and ``token_strs`` when
-        asked (the vocabulary's string of each)."""
-        rid = self._prefix + str(next(self._ids))
-        return self._ask(rid, cp.Tokenize(id=rid, prompt=prompt,
-                                          add_special_tokens=add_special_tokens,
-                                          return_token_strs=return_token_strs))
+    def _new_id(self) -> str:
+        return self._prefix + str(next(self._ids))
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """The text of `token_ids` by the engine's tokenizer."""
-        rid = self._prefix + str(next(self._ids))
-        return self._ask(rid, cp.Detokenize(id=rid, token_ids=list(token_ids)))["text"]
-
-    def _ask(self, rid: str, msg: Any) -> dict:
+    def _ask(self, msg: Any) -> dict:
         """One question answered by one message with its id (or an error, raised)."""
+        rid = str(msg.id)
         epoch = self._boots.epoch
         self._send(cp.encode(msg))
         try:
@@ -279,7 +270,7 @@ class Client(WeightSourceClient, SleepClient):
                routing_key: str | None = None) -> Iterator[StreamDelta]:
         """`routing_key`: behind a data-parallel router, requests with the same key go to
         the same replica (docs/data-parallel.md)."""
-        rid = request_id or self._prefix + str(next(self._ids))
+        rid = request_id or self._new_id()
         epoch = self._boots.epoch
         self._send(_submit_msg(rid, prompt, params, priority, ttl_ms, routing_key))
         remaining = _n_of(params)
@@ -299,7 +290,7 @@ class Client(WeightSourceClient, SleepClient):
 
     def generate(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                  **kwargs: Any) -> RequestOutput:
-        rid = kwargs.pop("request_id", None) or self._prefix + str(next(self._ids))
+        rid = kwargs.pop("request_id", None) or self._new_id()
         acc = RequestAccumulator(_n_of(params), prompt if isinstance(prompt, str) else None)
         for d in self.stream(prompt, params, request_id=rid, **kwargs):
             acc.add(d)
@@ -321,7 +312,7 @@ class Client(WeightSourceClient, SleepClient):
         self.close()
 
 
-class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
+class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient, AsyncTokenizeClient):
     """asyncio client: any number of concurrent requests over one socket."""
 
     def __init__(self, endpoint: str, timeout_s: float = 600.0, *,
@@ -452,18 +443,8 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
     async def metrics(self) -> str:
         return (await self._request(cp.MetricsRequest()))["text"]
 
-    async def tokenize(self, prompt: str, *, add_special_tokens: bool = True,
-                       return_token_strs: bool = False) -> dict:
-        """As Client.tokenize."""
-        rid = self._prefix + str(next(self._ids))
-        return await self._ask(cp.Tokenize(id=rid, prompt=prompt,
-                                           add_special_tokens=add_special_tokens,
-                                           return_token_strs=return_token_strs))
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        """As Client.detokenize."""
-        rid = self._prefix + str(next(self._ids))
-        return (await self._ask(cp.Detokenize(id=rid, token_ids=list(token_ids))))["text"]
+    def _new_id(self) -> str:
+        return self._prefix + str(next(self._ids))
 
     async def _ask(self, msg: Any) -> dict:
         """One question answered by one message with its id (or an error, raised)."""
@@ -483,7 +464,7 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
                      ttl_ms: int | None = None,
                      routing_key: str | None = None) -> AsyncIterator[StreamDelta]:
         self._ensure_tasks()
-        rid = request_id or self._prefix + str(next(self._ids))
+        rid = request_id or self._new_id()
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
         queue: asyncio.Queue = asyncio.Queue(self.max_buffered)
@@ -522,7 +503,7 @@ class AsyncClient(AsyncWeightSourceClient, AsyncSleepClient):
     async def generate(self, prompt: str | list[int],
                        params: SamplingParams | dict | None = None,
                        **kwargs: Any) -> RequestOutput:
-        rid = kwargs.pop("request_id", None) or self._prefix + str(next(self._ids))
+        rid = kwargs.pop("request_id", None) or self._new_id()
         acc = RequestAccumulator(_n_of(params), prompt if isinstance(prompt, str) else None)
         async for d in self.stream(prompt, params, request_id=rid, **kwargs):
             acc.add(d)
