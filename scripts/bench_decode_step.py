@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """One decode step of the real model (SmolLM2-135M Q4_1, ``quantization=auto``), in-process
-(``ModelRunner.execute``, no leader), with the float-activation op and the int8-activation
-op (``NVLLM_QUANT_ACTIVATIONS`` off / auto) on alternate steps of the same sequence, so a
-shared machine's noise falls on both alike: median and 10th percentile of each, and their
-ratio. One sequence from context 128 on, 2 torch threads by default.
+(``ModelRunner.execute``, no leader), with float activations, the default (int16 where
+built) and int8 activations (``NVLLM_QUANT_ACTIVATIONS`` off / auto / int8) in turn on
+the steps of the same sequence, so a shared machine's noise falls on all alike: median
+and 10th percentile of each, and their ratios to off. One sequence from context 128 on,
+2 torch threads by default.
 
     PYTHONPATH=$PWD python scripts/bench_decode_step.py [--threads 2] [--steps 400]
         [--no-cpu-kv-mirror]
@@ -47,12 +48,12 @@ def main() -> None:
                                               list(range(PROMPT // BS)), P.WorkerSampling())],
                                  [], []))
     n, step = PROMPT, 1
-    modes = ("off", "auto")
+    modes = ("off", "auto", "int8")
     times: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(args.steps):
-        mode = modes[k % 2]
-        quant._A8.clear()  # the mode is read once per process: ask again
-        os.environ[quant.A8_ENV] = mode
+        mode = modes[k % len(modes)]
+        quant._ACT.clear()  # the mode is read once per process: ask again
+        os.environ[quant.ACT_ENV] = mode
         blocks = [n // BS] if n % BS == 0 else []
         n, step = n + 1, step + 1
         t0 = time.perf_counter()
@@ -64,7 +65,8 @@ def main() -> None:
         p10 = sorted(times[m])[len(times[m]) // 10]
         print(f"{m:>4}: median {med[m] * 1e3:.2f} ms, p10 {p10 * 1e3:.2f} ms "
               f"({len(times[m])} steps)")
-    print(f"auto / off: {med['auto'] / med['off']:.2f}x the time")
+    for m in modes[1:]:
+        print(f"{m} / off: {med[m] / med['off']:.2f}x the time")
 
 
 if __name__ == "__main__":

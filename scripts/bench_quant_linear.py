@@ -1,16 +1,22 @@
 """Time x W^T on SmolLM2-135M's linear shapes, per row count: nvllm's quantized weights
-(the native op, csrc/cpu_quant_linear.cpp; the int8-activation op, csrc/cpu_quant_vnni.cpp,
-"a8"; and the dequantize-a-tile-then-torch.mm path),
+(the native op, csrc/cpu_quant_linear.cpp; the int16- and int8-activation ops,
+csrc/cpu_quant_a16.cpp "a16" and csrc/cpu_quant_vnni.cpp "a8"; and the
+dequantize-a-tile-then-torch.mm path),
 dense float32 / bfloat16 F.linear, oneDNN-packed float32, and torch's own weight-only ops
 (``_weight_int8pack_mm``: one scale per output channel; ``_weight_int4pack_mm_for_cpu``:
 groups of 32 with a scale and a zero point). Prints one row per (shape, rows): microseconds,
 the minimum of --repeat timings (on a shared machine the minimum is what compares).
-``--decode`` compares only what decode picks between (rows 1..8, the native and a8 ops in
-each format against dense F.linear) and prints a8's speed-up over the native op.
+``--decode`` compares only what decode picks between (rows 1..8, the native, a16 and a8
+ops in each format against dense F.linear) and prints their speed-ups over the native op.
+Those shapes stay in cache between calls; a decode step reads every weight from memory:
+``--step N`` times all of a SmolLM2 decode step's linears (30 layers of Q4_1, the Q8_0 LM
+head: 93 MiB, more than any cache) per op, the ops in turn N times (medians and 10th
+percentiles, layers and head apart).
 
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py [--threads 2] [--rows 1,2,4,8,16,32,64]
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py --decode --threads 1
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py --paired 400 --threads 2
+    PYTHONPATH=$PWD python scripts/bench_quant_linear.py --step 40 --threads 2 [--rows 1]
 
 ``--paired N``: one decoder layer's linears (qkv, o, gate_up, down) at one row in int4+min,
 the a8 op and the native op called alternately N times each, so both see the same load
@@ -58,8 +64,10 @@ def decode_candidates(n: int, k: int, m: int):
         qw.write(0, 0, *quantize(w, fmt))
         out[f"{fmt.name} native"] = \
             lambda qw=qw: cpu_ops.quant_linear(x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
-        out[f"{fmt.name} a8"] = lambda qw=qw: cpu_ops.quant_linear_a8(
-            x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+        for op in ("a16", "a8"):
+            fn = getattr(cpu_ops, f"quant_linear_{op}")
+            out[f"{fmt.name} {op}"] = \
+                lambda qw=qw, fn=fn: fn(x32, qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
     return out
 
 
@@ -130,6 +138,38 @@ def paired(calls: int) -> None:
           f"a8 faster in {wins}/{calls} pairs")
 
 
+def step(rounds: int, rows: int) -> None:
+    """All linears of a SmolLM2 decode step (``--step``), each op in turn per round."""
+    import statistics
+
+    def weight(fmt, n, k):
+        qw = QuantizedWeight(fmt, n, k)
+        qw.write(0, 0, *quantize(torch.randn(n, k) * 0.05, fmt))
+        return qw
+
+    layers = [weight(INT4_MIN, *SHAPES[name]) for _ in range(30)
+              for name in ("qkv", "o", "gate_up", "down")]
+    head = weight(INT8, *SHAPES["lm_head"])
+    xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+    ops = {"native": cpu_ops.quant_linear, "a16": cpu_ops.quant_linear_a16,
+           "a8": cpu_ops.quant_linear_a8}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in ops}
+    for r in range(rounds + 2):
+        for name, op in ops.items():
+            t0 = time.perf_counter()
+            for qw in layers:
+                op(xs[qw.k], qw.qweight, qw.scales, qw.mins, qw.fmt.bits)
+            t1 = time.perf_counter()
+            op(xs[576], head.qweight, head.scales, head.mins, head.fmt.bits)
+            if r >= 2:  # warm-up
+                times[name].append((t1 - t0, time.perf_counter() - t1))
+    for name, ts in times.items():
+        lay, hd = sorted(t[0] for t in ts), sorted(t[1] for t in ts)
+        print(f"{name:>6}: 120 layer linears median {statistics.median(lay) * 1e3:.2f} ms "
+              f"(p10 {lay[len(lay) // 10] * 1e3:.2f}), LM head median "
+              f"{statistics.median(hd) * 1e3:.2f} ms (p10 {hd[len(hd) // 10] * 1e3:.2f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
@@ -139,16 +179,22 @@ def main() -> None:
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="a8 vs native on one layer's linears, N alternating calls each")
     p.add_argument("--decode", action="store_true",
-                   help="rows 1..8 (unless --rows), native vs a8 vs dense only")
+                   help="rows 1..8 (unless --rows), native vs a16 vs a8 vs dense only")
+    p.add_argument("--step", type=int, default=0, metavar="N",
+                   help="a decode step's linears from memory, N rounds of each op")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.decode and args.rows == p.get_default("rows"):
         args.rows = "1,2,3,4,6,8"
-    if (args.decode or args.paired) and not cpu_ops.load():
-        raise SystemExit("--decode / --paired compare nvllm's CPU ops: build them with "
-                         "python -m nvllm.kernels.cpu_ops")
+    if (args.decode or args.paired or args.step) and not cpu_ops.load():
+        raise SystemExit("--decode / --paired / --step compare nvllm's CPU ops: build them "
+                         "with python -m nvllm.kernels.cpu_ops")
     if args.paired:
         paired(args.paired)
+        return
+    if args.step:
+        step(args.step, int(args.rows.split(",")[0]) if args.rows != p.get_default("rows")
+             else 1)
         return
     make = decode_candidates if args.decode else candidates
     for name in args.shapes.split(","):
@@ -157,8 +203,9 @@ def main() -> None:
             res = {c: timeit(fn, args.repeat) for c, fn in make(n, k, m).items()}
             cols = "  ".join(f"{c}={t:.0f}" for c, t in res.items())
             if args.decode:
-                cols += "  | a8 speed-up: " + " ".join(
-                    f"{f}={res[f + ' native'] / res[f + ' a8']:.2f}x"
+                cols += "  | speed-up a16, a8: " + " ".join(
+                    f"{f}={res[f + ' native'] / res[f + ' a16']:.2f}x,"
+                    f"{res[f + ' native'] / res[f + ' a8']:.2f}x"
                     for f in ("int4+min", "int4", "int8"))
             print(f"{name} {n}x{k} rows={m}: {cols}", flush=True)
 

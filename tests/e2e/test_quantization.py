@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from nvllm import LLM, SamplingParams
 from nvllm.worker.gguf_weights import hf_name
 from nvllm.worker.layers.fp8 import Fp8Weight, quantize_fp8
-from nvllm.worker.layers.quant import A8_ENV, QuantizedWeight, quantize
+from nvllm.worker.layers.quant import ACT_ENV, QuantizedWeight, quantize
 from nvllm.worker.quantize import AT_LOAD
 from tests.support.fp8_checkpoints import write_fp8_checkpoint
 from tests.support.gguf_files import KQUANT_MIX, write_kquant_gguf
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(autouse=True)
 def float_activations(monkeypatch):
     """Token-for-token equality holds with float activations only (workers inherit it)."""
-    monkeypatch.setenv(A8_ENV, "off")
+    monkeypatch.setenv(ACT_ENV, "off")
 
 MAX_TOKENS = 16
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time",

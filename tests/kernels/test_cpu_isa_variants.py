@@ -24,6 +24,7 @@ CONTRACTS = [
     "tests/kernels/test_cpu_decode_kernel_runs.py",
     "tests/worker/test_quant.py::test_native_op_equals_dequantize_then_matmul",
     "tests/worker/test_quant_vnni.py",
+    "tests/worker/test_quant_a16.py::test_a16_op_is_int16_rounded_x_times_dequantized_weights",
 ]
 
 
@@ -41,15 +42,17 @@ def test_kernel_contracts_hold_on_the_narrower_vector_path():
     probe = subprocess.run(
         [sys.executable, "-c", "from nvllm.kernels import cpu_ops; import torch; "
          "assert cpu_ops.load(); print(cpu_ops.library_path(), "
-         "torch.ops.nvllm_cpu.quant_a8_vectorized())"],
+         "torch.ops.nvllm_cpu.quant_a8_vectorized(), "
+         "torch.ops.nvllm_cpu.quant_a16_vectorized())"],
         env=env, cwd=ROOT, check=True, timeout=120, capture_output=True, text=True)
-    path, vectorized = probe.stdout.split()
+    path, vectorized, vectorized16 = probe.stdout.split()
     # What the build prints is where a later process finds it (the build must not change
     # its own key: cpp_extension appends to the flag lists it is given).
     assert built.stdout.strip().splitlines()[-1] == path, built.stdout
     assert path != str(cpu_ops.library_path()), "the variant must be a build of its own"
-    # AVX2 has a vector loop for the int8-activation op, the portable build has none.
-    assert vectorized == ("True" if isa == "avx2" else "False"), probe.stdout
+    # AVX2 has a vector loop for the int8- and int16-activation ops, the portable build
+    # has none.
+    assert vectorized == vectorized16 == ("True" if isa == "avx2" else "False"), probe.stdout
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-x", *CONTRACTS],

@@ -106,7 +106,7 @@ def test_model_layers_hold_the_reference_values(qwen3_h256, tmp_path, monkeypatc
     Float activations (NVLLM_QUANT_ACTIVATIONS=off), for the float32 sums' bound."""
     from nvllm.worker.layers import quant
 
-    monkeypatch.setattr(quant, "_A8", ["off"])
+    monkeypatch.setattr(quant, "_ACT", ["off"])
     packed, deq = write_int4_checkpoint(qwen3_h256, tmp_path / method, method)
     source, deq_source = resolve_model_source(packed), resolve_model_source(deq)
     cfg = AutoConfig.from_pretrained(packed)

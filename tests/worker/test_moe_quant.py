@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from nvllm.common.model_source import resolve_model_source
 from nvllm.launch.tiny import PRESETS, make_tiny_checkpoint
+from nvllm.worker.layers import quant
 from nvllm.worker.layers.moe import SparseMoE
 from nvllm.worker.layers.quant import QuantizedWeight, quantize
 from nvllm.worker.loader import load_weights
@@ -37,7 +38,9 @@ def _deq(w: torch.Tensor, mode: str) -> torch.Tensor:
 @pytest.mark.parametrize("preset,fused,tp,ep,mode", [
     ("mixtral", False, 2, False, "int8"), ("mixtral", True, 2, True, "int4"),
     ("qwen3-moe", True, 1, False, "int4")])
-def test_experts_hold_each_expert_quantized(tmp_path, preset, fused, tp, ep, mode):
+def test_experts_hold_each_expert_quantized(tmp_path, monkeypatch, preset, fused, tp, ep,
+                                            mode):
+    monkeypatch.setattr(quant, "_ACT", ["off"])  # float activations: equal to dense
     path = make_tiny_checkpoint(tmp_path / preset, **PRESETS[preset], fused_experts=fused)
     source = resolve_model_source(str(path))
     cfg = AutoConfig.from_pretrained(path)

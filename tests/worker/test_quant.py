@@ -200,7 +200,7 @@ def test_gguf_model_layers_hold_the_dequantized_values(tiny, tmp_path, monkeypat
     from nvllm.worker.layers import quant
 
     monkeypatch.setattr(quantize_mod, "ROW_CHUNK", 5)
-    monkeypatch.setattr(quant, "_A8", ["off"])  # float activations: the bound below
+    monkeypatch.setattr(quant, "_ACT", ["off"])  # float activations: the bound below
     model_dir = Path(tiny("llama"))
     source = _gguf_source(model_dir, "llama", tmp_path, qtype)
     cfg = AutoConfig.from_pretrained(model_dir)

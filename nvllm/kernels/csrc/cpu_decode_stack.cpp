@@ -13,9 +13,10 @@
 //   first layer: r = h, h = rms_norm(h)    later: r += h, h = rms_norm(r)   (in place)
 //   qkv = h W_qkv^T; a = attention(rotary(q, k), store k and v); h = a W_o^T
 //   r += h, h = rms_norm(r); h = silu(h W_gate^T) * (h W_up^T); h = h W_down^T
-// Each linear takes quant_linear_a8 up to its bits' a8 row count (the caller passes
-// nvllm/worker/layers/quant.py:a8_rows for 4 and 8 bits), else quant_linear; the caller
-// sends only steps whose rows quant_linear serves (native_max_rows).
+// Each linear takes quant_linear_a8 up to its bits' a8 row count, else quant_linear_a16
+// up to its a16 row count, else quant_linear (the caller passes nvllm/worker/layers/
+// quant.py's a8_rows and a16_rows for 4 and 8 bits); the caller sends only steps whose rows
+// quant_linear serves (native_max_rows).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -39,12 +40,18 @@ struct StackLayer {
   int64_t window = 0;
 };
 
-at::Tensor stack_linear(const at::Tensor& x, const StackLinear& w, int64_t a8_rows4,
-                        int64_t a8_rows8) {
+// Rows of x up to which a linear of 4 or 8 bits quantizes x to int8, or to int16.
+struct ActRows {
+  int64_t a8_4, a8_8, a16_4, a16_8;
+};
+
+at::Tensor stack_linear(const at::Tensor& x, const StackLinear& w, const ActRows& act) {
   at::Tensor out = at::empty({x.size(0), w.qweight.size(0)}, x.options());
-  const int64_t a8_rows = w.bits == 4 ? a8_rows4 : a8_rows8;
-  if (x.size(0) <= a8_rows)
+  const int64_t rows = x.size(0);
+  if (rows <= (w.bits == 4 ? act.a8_4 : act.a8_8))
     quant_linear_a8(out, x, w.qweight, w.scales, w.mins, w.bits);
+  else if (rows <= (w.bits == 4 ? act.a16_4 : act.a16_8))
+    quant_linear_a16(out, x, w.qweight, w.scales, w.mins, w.bits);
   else
     quant_linear(out, x, w.qweight, w.scales, w.mins, w.bits);
   return out;
@@ -92,7 +99,9 @@ struct DecodeStack : torch::CustomClassHolder {
                                          std::optional<at::Tensor> block_tables,
                                          std::optional<at::Tensor> bases_in,
                                          std::optional<at::Tensor> caps_in, int64_t a8_rows4,
-                                         int64_t a8_rows8) {
+                                         int64_t a8_rows8, int64_t a16_rows4,
+                                         int64_t a16_rows8) {
+    const ActRows act{a8_rows4, a8_rows8, a16_rows4, a16_rows8};
     TORCH_CHECK(!layers.empty(), "DecodeStack: no layers");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous 2-D");
     const bool paged = block_tables.has_value();
@@ -114,19 +123,19 @@ struct DecodeStack : torch::CustomClassHolder {
       } else {
         rms_norm(h, h, L.norm1, eps, residual, residual);
       }
-      const at::Tensor qkv = stack_linear(h, L.qkv, a8_rows4, a8_rows8);
+      const at::Tensor qkv = stack_linear(h, L.qkv, act);
       const int64_t d = qkv.size(1) / (heads + 2 * kv_heads);
       at::Tensor attn = at::empty({qkv.size(0), heads * d}, qkv.options());
       attention_qkv_impl(attn, qkv, positions, cos, sin, heads, kv_heads, L.k_cache,
                          L.v_cache, slots, rows, bases, caps, lens,
                          paged ? 0 : static_cast<int64_t>(i), scale, L.window, query_lens,
                          paging);
-      h = stack_linear(attn, L.o, a8_rows4, a8_rows8);
+      h = stack_linear(attn, L.o, act);
       rms_norm(h, h, L.norm2, eps, residual, residual);
-      const at::Tensor gu = stack_linear(h, L.gate_up, a8_rows4, a8_rows8);
-      at::Tensor act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
-      silu_and_mul(act, gu);
-      h = stack_linear(act, L.down, a8_rows4, a8_rows8);
+      const at::Tensor gu = stack_linear(h, L.gate_up, act);
+      at::Tensor act_h = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+      silu_and_mul(act_h, gu);
+      h = stack_linear(act_h, L.down, act);
     }
     return {h, residual};
   }

@@ -18,14 +18,16 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
 ``QuantizedWeight.matmul`` is x W^T: on CUDA the Triton W4A16 / W8A16 GEMM
 (``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU, up to
-``a8_rows`` rows (decode), x quantized to int8 per group of 32 and integer dot products
-(``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI: llama.cpp's Q8 activations; results move
-by x's rounding, at most half its step per value; opt-in, NVLLM_QUANT_ACTIVATIONS);
-else nvllm's native op (``csrc/cpu_quant_linear.cpp``, integers in registers, float32
-accumulation) for up to ``native_max_rows`` rows, else a tile of W's rows dequantized into x's dtype
-(one native pass, or the torch reference ``dequantize`` without the native ops) and
-``torch.mm``. ``quantize`` is round-to-nearest per group (asymmetric, over the group's
-range, in the ``+min`` formats), for float checkpoints quantized at load.
+``a16_rows`` rows (decode, the default on AVX2 CPUs), x rounded to int16 per group of 32
+and integer dot products (``csrc/cpu_quant_a16.cpp``; results move by x's rounding, at
+most half of 1/32767 of the group's largest value per value); opt-in up to ``a8_rows``
+rows, x quantized to int8 instead (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI or AVX2:
+llama.cpp's Q8 activations); NVLLM_QUANT_ACTIVATIONS chooses; else nvllm's native op
+(``csrc/cpu_quant_linear.cpp``, integers in registers, float32 accumulation) for up to
+``native_max_rows`` rows, else a tile of W's rows dequantized into x's dtype (one native
+pass, or the torch reference ``dequantize`` without the native ops) and ``torch.mm``.
+``quantize`` is round-to-nearest per group (asymmetric, over the group's range, in the
+``+min`` formats), for float checkpoints quantized at load.
 
 Measured (``scripts/bench_quant_linear.py --threads 1``, SmolLM2-135M's shapes, this
 2-core AMD EPYC with AVX-512, microseconds, minimum of 5): at one row the native op reads
@@ -73,14 +75,24 @@ BUFFERED_MAX_ROWS = 64
 # Up to this many rows of x (by the weight's bits), the int8-activation op
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see a8_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
-# NVLLM_QUANT_ACTIVATIONS: "off" (the default: activations stay in the run dtype, results
-# equal dequantize-then-matmul up to float32 summation order), "auto" (the int8-activation
-# op up to A8_MAX_ROWS rows, where it is vectorized), "always" (every row count, for
-# measuring its quality teacher-forced; slow on long prompts). Off by default: on the real
-# model it changes greedy output beyond the near-tie rule (docs/quantization.md, CPU
-# kernels), for ~10% at one stream end to end.
-A8_ENV = "NVLLM_QUANT_ACTIVATIONS"
-A8_MODES = ("auto", "off", "always")
+# Up to this many rows, the int16-activation op (csrc/cpu_quant_a16.cpp) where it is
+# built with its AVX2 loop: see a16_rows. Measured (all of SmolLM2-135M's decode linears
+# read from memory, 2 threads, AVX2 EPYC): 1.2-1.4x the float op at one row, 1.1x at two,
+# even at four, slower from five (the float op's buffered kernel).
+A16_MAX_ROWS = {4: 2, 8: 2}
+# NVLLM_QUANT_ACTIVATIONS, how x meets quantized weights on CPU:
+#   "auto" (the default): x rounded to int16 per group of 32 up to A16_MAX_ROWS rows
+#     where that op's AVX2 loop is built (256x finer than int8, ~100x finer than
+#     bfloat16: greedy output on the real model within the near-tie rule), else float;
+#   "off": activations stay in the run dtype everywhere, results equal dequantize-then-
+#     matmul up to float32 summation order (what the greedy-equality tests rely on);
+#   "int8": llama.cpp's int8 activations up to A8_MAX_ROWS rows where vectorized. Opt-in:
+#     on the real model it changes greedy output beyond the near-tie rule
+#     (docs/quantization.md, CPU kernels);
+#   "int8-always", "int16-always": every row count, for measuring their quality
+#     teacher-forced (slow on long prompts).
+ACT_ENV = "NVLLM_QUANT_ACTIVATIONS"
+ACT_MODES = ("auto", "off", "int8", "int8-always", "int16-always")
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
 TILE_ROWS = 4096
 
@@ -179,6 +191,11 @@ class QuantizedWeight:
 
             out = cpu_ops.quant_linear_a8(x2, self.qweight, self.scales, self.mins,
                                           self.fmt.bits)
+        elif native and x2.shape[0] <= a16_rows(self.fmt):
+            from nvllm.kernels import cpu_ops
+
+            out = cpu_ops.quant_linear_a16(x2, self.qweight, self.scales, self.mins,
+                                           self.fmt.bits)
         elif native and x2.shape[0] <= native_max_rows(x2.dtype):
             from nvllm.kernels import cpu_ops
 
@@ -211,30 +228,46 @@ class QuantizedWeight:
 _NATIVE: list[bool] = []
 _TRITON: list[bool] = []
 _BUFFERED: list[bool] = []
-_A8: list[str] = []  # the mode in effect, once asked ("off" where not vectorized)
+_ACT: list[str] = []  # the mode in effect, once asked (see act_mode)
+
+
+def act_mode() -> str:
+    """NVLLM_QUANT_ACTIVATIONS (ACT_MODES; read once per process), with "auto" and
+    "int8" turned "off" where their op has no vector loop in this build (its portable
+    loop is slower than the float op)."""
+    if not _ACT:
+        mode = os.environ.get(ACT_ENV, "auto")
+        if mode not in ACT_MODES:
+            raise ValueError(f"{ACT_ENV}={mode!r}; expected one of {', '.join(ACT_MODES)}")
+        if mode in ("auto", "int8"):
+            from nvllm.kernels import cpu_ops
+
+            vectorized = (cpu_ops.quant_a16_vectorized if mode == "auto"
+                          else cpu_ops.quant_a8_vectorized)
+            if not (_native() and vectorized()):
+                mode = "off"
+        _ACT.append(mode)
+    return _ACT[0]
 
 
 def a8_rows(fmt: QuantFormat) -> int:
-    """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 and takes the
-    VNNI op (0: never). The rule: under ``NVLLM_QUANT_ACTIVATIONS=auto``, where it was
-    measured faster than the float op (A8_MAX_ROWS, docs/quantization.md's table) and
-    built with AVX-512 VNNI or AVX2 (its portable loop is slower than the float op); never under
-    ``off``, the default (float activations: dequantize-then-matmul, what the
-    greedy-equality tests rely on); any row count under ``always``. Read once per
-    process."""
-    if not _A8:
-        mode = os.environ.get(A8_ENV, "off")
-        if mode not in A8_MODES:
-            raise ValueError(f"{A8_ENV}={mode!r}; expected one of {', '.join(A8_MODES)}")
-        if mode != "off":
-            from nvllm.kernels import cpu_ops
-
-            if not (_native() and cpu_ops.quant_a8_vectorized()):
-                mode = "off" if mode == "auto" else mode
-        _A8.append(mode)
-    if _A8[0] == "always":
+    """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 (the VNNI /
+    AVX2 op; 0: never): A8_MAX_ROWS under ``int8`` (where it was measured faster than the
+    float op, docs/quantization.md's table), any row count under ``int8-always``."""
+    mode = act_mode()
+    if mode == "int8-always":
         return 1 << 62
-    return A8_MAX_ROWS.get(fmt.bits, 0) if _A8[0] == "auto" else 0
+    return A8_MAX_ROWS.get(fmt.bits, 0) if mode == "int8" else 0
+
+
+def a16_rows(fmt: QuantFormat) -> int:
+    """Rows of x up to which ``matmul`` rounds x to int16 per group of 32 (0: never):
+    A16_MAX_ROWS under ``auto`` (the default, where the AVX2 loop is built), any row
+    count under ``int16-always``; never under ``off``."""
+    mode = act_mode()
+    if mode == "int16-always":
+        return 1 << 62
+    return A16_MAX_ROWS.get(fmt.bits, 0) if mode == "auto" else 0
 
 
 def native_max_rows(dtype: torch.dtype) -> int:

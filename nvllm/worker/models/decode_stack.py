@@ -28,7 +28,13 @@ import torch
 
 from nvllm.kernels import cpu_attention, cpu_ops
 from nvllm.kernels.metadata import AttentionMetadata
-from nvllm.worker.layers.quant import QuantFormat, QuantizedWeight, a8_rows, native_max_rows
+from nvllm.worker.layers.quant import (
+    QuantFormat,
+    QuantizedWeight,
+    a8_rows,
+    a16_rows,
+    native_max_rows,
+)
 
 ENV = "NVLLM_DECODE_STACK"
 _ATTR = "_decode_stack"  # on the model: (stack, the first layer's k_cache) or False
@@ -116,16 +122,16 @@ def run(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
     if not held:
         return None
     tables = rope_tables(layers[0])
-    a8 = (a8_rows(_INT4), a8_rows(_INT8))
+    act = (a8_rows(_INT4), a8_rows(_INT8), a16_rows(_INT4), a16_rows(_INT8))
     if meta.cpu_kv is not None:  # the contiguous copies (cpu_kv_mirror)
         dec = meta.cpu_kv.decode
         if dec is None or not cpu_attention.serves_all_rows(dec, meta, x.shape[0]):
             return None
         return held[0].run(x, positions, tables["cos"], tables["sin"], dec.slots, dec.rows,
-                           dec.lens, dec.query_lens, None, dec.bases, dec.caps, *a8)
+                           dec.lens, dec.query_lens, None, dec.bases, dec.caps, *act)
     first = layers[0].self_attn
     pr = cpu_attention.paged_rows(meta, k0, first.num_heads, first.num_kv_heads)
     if pr is None or not pr.all_rows:
         return None
     return held[0].run(x, positions, tables["cos"], tables["sin"], pr.slots, pr.rows, pr.lens,
-                       pr.query_lens, pr.block_tables, None, None, *a8)
+                       pr.query_lens, pr.block_tables, None, None, *act)

@@ -104,22 +104,24 @@ def trace(runner: ModelRunner, stacked: bool, monkeypatch) -> tuple[list, int]:
     return hiddens, served[0]
 
 
-# (the pages read in place unless `mirror`: each sequence's contiguous copy)
-@pytest.mark.parametrize("preset,quantization,dtype,kv,a8,mirror", [
+# (the pages read in place unless `mirror`: each sequence's contiguous copy; acts: the
+# activation mode, so each linear op serves decode rows somewhere: auto = int16)
+@pytest.mark.parametrize("preset,quantization,dtype,kv,acts,mirror", [
     ("llama-g3", "int4", "float32", "auto", "off", False),
-    ("llama-g3", "int4", "float32", "bfloat16", "auto", False),
+    ("llama-g3", "int4", "float32", "bfloat16", "int8", False),
     ("llama-g3", "int4", "float32", "bfloat16", "auto", True),
+    ("mistral-sw", "int8", "float32", "auto", "int8", False),
     ("mistral-sw", "int8", "float32", "auto", "auto", False),
     ("mistral-sw", "int8", "float32", "auto", "off", True),
-    ("llama", "int4", "bfloat16", "auto", "off", False),
+    ("llama", "int4", "bfloat16", "auto", "auto", False),
 ])
 def test_the_stack_computes_what_the_layers_compute(model, monkeypatch, preset, quantization,
-                                                    dtype, kv, a8, mirror):
-    monkeypatch.setattr(quant, "_A8", [a8])
+                                                    dtype, kv, acts, mirror):
+    monkeypatch.setattr(quant, "_ACT", [acts])
     path = model(preset)
     ref, served_ref = trace(make_runner(path, quantization, dtype, kv, mirror), False,
                             monkeypatch)
-    monkeypatch.setattr(quant, "_A8", [a8])
+    monkeypatch.setattr(quant, "_ACT", [acts])
     got, served = trace(make_runner(path, quantization, dtype, kv, mirror), True, monkeypatch)
     assert served_ref == 0
     assert served == len(plans()) - 1  # every step after the prefill
