@@ -34,7 +34,7 @@ def _check_access(host: str, http_host: str | None, api_key: str | None,
                   curve_key_dir: str | None, dist) -> None:
     """Refuse an unauthenticated non-loopback bind before anything is loaded."""
     from nvllm.common.zmq_utils import check_curve_bind
-    from nvllm.launch.openai.cli import check_http_host
+    from nvllm.launch.openai.process import check_http_host
     from nvllm.launch.spawn import check_worker_bind
 
     try:
@@ -270,7 +270,7 @@ def _serve(engine, host: str, port: int, served_model_name: str | None,
     click.echo(f"serving on {server.endpoint}; Ctrl-C to stop")
     gateway = None
     if http_host is not None:
-        from nvllm.launch.openai.cli import start_gateway_process
+        from nvllm.launch.openai.process import start_gateway_process
 
         gateway = start_gateway_process(server.endpoint, http_host, http_port,
                                         served_model_name, api_key=api_key,

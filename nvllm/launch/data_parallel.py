@@ -209,7 +209,7 @@ def run_data_parallel(dp: DataParallelOptions, model: str, engine_kwargs: dict[s
                        f"{[endpoints[r] for r in range(place.size)]}, router policy "
                        f"{dp.router_policy} (router pid {router[0].pid})")
             if gateway is not None:
-                from nvllm.launch.openai.cli import start_gateway_process
+                from nvllm.launch.openai.process import start_gateway_process
 
                 gateway_proc = start_gateway_process(router[1], **gateway)
                 click.echo(f"OpenAI-compatible HTTP gateway on http://{gateway['host']}:"

@@ -168,7 +168,7 @@ def test_nvllm_client_with_keys(secured, keys):
 
 
 def test_gateway_attaches_with_keys(secured, keys, procs):
-    from nvllm.launch.openai.cli import start_gateway_process
+    from nvllm.launch.openai.process import start_gateway_process
 
     port = free_port()
     gateway = start_gateway_process(secured.endpoint, "127.0.0.1", port, "tiny",

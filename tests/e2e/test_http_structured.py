@@ -60,7 +60,7 @@ def server(tiny, tmp_path_factory):
 
 
 def start(endpoint: str, port: int, log) -> subprocess.Popen:
-    from nvllm.launch.openai.cli import start_gateway_process
+    from nvllm.launch.openai.process import start_gateway_process
 
     return start_gateway_process(endpoint, "127.0.0.1", port, MODEL, stdout=log,
                                  stderr=subprocess.STDOUT)

@@ -87,7 +87,7 @@ def check_none_lost(results: dict[int, list], total: int, what: str) -> None:
 
 
 def test_zmq_and_http_streams_under_load(served, tiny, tmp_path):
-    from nvllm.launch.openai.cli import start_gateway_process
+    from nvllm.launch.openai.process import start_gateway_process
 
     # Warm up (first steps, tokenizer, allocator) before the baseline.
     run_clients("zmq", served.endpoint, 20, 1)

@@ -57,7 +57,7 @@ class Served(SimpleNamespace):
 
 @pytest.fixture(scope="module")
 def server(tiny, procs, tmp_path_factory):
-    from nvllm.launch.openai.cli import start_gateway_process
+    from nvllm.launch.openai.process import start_gateway_process
 
     model = tiny("qwen3")
     logs = tmp_path_factory.mktemp("gateway-logs")
@@ -464,7 +464,7 @@ def test_metrics_move_with_a_known_workload(server, tokenizer):
 
 
 def test_non_loopback_http_needs_an_api_key():
-    from nvllm.launch.openai.cli import check_http_host, start_gateway_process
+    from nvllm.launch.openai.process import check_http_host, start_gateway_process
 
     dead = f"tcp://127.0.0.1:{free_port()}"
     for host in ("0.0.0.0", "::", "192.0.2.1"):
@@ -481,7 +481,7 @@ def test_non_loopback_http_needs_an_api_key():
 
 
 def test_api_key_reaches_the_gateway_process_but_not_its_argv():
-    from nvllm.launch.openai.cli import start_gateway_process
+    from nvllm.launch.openai.process import start_gateway_process
 
     port = free_port()
     gateway = start_gateway_process(f"tcp://127.0.0.1:{free_port()}", "127.0.0.1", port,
@@ -767,7 +767,7 @@ HOSTILE_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(300) %}{% set
 
 
 def test_a_hostile_chat_template_is_refused_and_never_freezes_streams(server, tmp_path):
-    from nvllm.launch.openai.cli import start_gateway_process
+    from nvllm.launch.openai.process import start_gateway_process
 
     # Refused by default, naming the field, at once.
     for extra, param in (({"chat_template": HOSTILE_TEMPLATE}, "chat_template"),

@@ -152,9 +152,9 @@ def test_native_op_equals_dequantize_then_matmul(fmt, dtype):
     qw = _random_quantized(fmt, 41, 256, gen)  # 41: a last block of 2 columns; odd halves
     w = qw.dequantize().double()
     # Up to 4 rows: the in-register loop (two columns at a time at one row); 5 and more,
-    # on AVX2: the buffered kernel, blocks of 4 rows and a remainder of 1-3; past 8 rows,
-    # elsewhere: passes of up to 8.
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 33):
+    # on AVX2: the buffered kernel, blocks of 4 rows and a remainder of 1-3, passes of 128
+    # rows (133: a second pass of 5); past 8 rows, elsewhere: passes of up to 8.
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 33, 133):
         x = torch.randn(m, 256, generator=gen).to(dtype)
         got = cpu_ops.quant_linear(x, qw.qweight, qw.scales, qw.mins, fmt.bits)
         assert got.dtype == dtype and got.shape == (m, 41)

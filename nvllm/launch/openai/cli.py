@@ -1,60 +1,20 @@
-"""Running the gateway: ``nvllm-serve`` (``main``), ``start_gateway_process`` for
-nvllm-launch and tests, and the check that a non-loopback bind has an API key."""
+"""Running the gateway: ``nvllm-serve`` (``main``). Starting it from another process is
+``nvllm/launch/openai/process.py``'s."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import subprocess
 import sys
-from typing import Any
 
 import click
 
 from nvllm.common.proc import die_with_parent, set_process_title
-from nvllm.common.zmq_utils import is_loopback, load_client_keys
+from nvllm.common.zmq_utils import load_client_keys
+from nvllm.launch.openai.process import check_http_host
 from nvllm.launch.openai.schemas import MAX_BODY_BYTES
 from nvllm.launch.openai.tool_parsers import PARSER_CHOICES
-
-
-def check_http_host(host: str, api_key: str | None) -> None:
-    """Refuse to expose the HTTP API beyond this machine without a key."""
-    if not api_key and not is_loopback(host):
-        raise ValueError(f"binding the HTTP gateway to {host} needs authentication: pass "
-                         "--api-key KEY (or set NVLLM_API_KEY); clients then send "
-                         "'Authorization: Bearer KEY'")
-
-
-def start_gateway_process(endpoint: str, host: str, port: int, model_name: str | None = None,
-                          *, api_key: str | None = None, curve_key_dir: str | None = None,
-                          log_level: str = "warning", max_body_bytes: int | None = None,
-                          trust_request_chat_template: bool = False,
-                          allow_priority: bool = False, tool_call_parser: str = "auto",
-                          **popen_kwargs: Any
-                          ) -> subprocess.Popen:
-    """Start ``python -m nvllm.launch.openai`` attached to `endpoint`; the caller owns
-    the process (terminate it, then wait). Raises ValueError at once (no process) for a
-    non-loopback `host` without `api_key`. The keyword options are nvllm-serve's flags."""
-    check_http_host(host, api_key)
-    cmd = [sys.executable, "-m", "nvllm.launch.openai", "--endpoint", endpoint,
-           "--host", host, "--port", str(port), "--log-level", log_level]
-    if model_name:
-        cmd += ["--model-name", model_name]
-    if curve_key_dir:
-        cmd += ["--curve-key-dir", str(curve_key_dir)]
-    if max_body_bytes is not None:
-        cmd += ["--max-body-bytes", str(max_body_bytes)]
-    if trust_request_chat_template:
-        cmd += ["--trust-request-chat-template"]
-    if allow_priority:
-        cmd += ["--allow-priority"]
-    if tool_call_parser != "auto":
-        cmd += ["--tool-call-parser", tool_call_parser]
-    env = dict(popen_kwargs.pop("env", None) or os.environ, NVLLM_PARENT_PID=str(os.getpid()))
-    if api_key:  # by environment, not argv: ps shows every user a process's arguments
-        env["NVLLM_API_KEY"] = api_key
-    return subprocess.Popen(cmd, env=env, **popen_kwargs)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -37,8 +37,10 @@ linearly with the rows (a dot-product kernel: ~2x a float32 GEMM's per-row cost)
 tile path wins from ~8 rows with bfloat16 activations (bfloat16 GEMM: 3072 x 576 at 16
 rows 0.62 ms against 1.08) and from ~16-32 with float32 (0.95 vs 1.04 ms at 16 rows, 1.94
 vs 1.77 at 32): hence ``NATIVE_MAX_ROWS`` per dtype. The AVX2 build multiplies 5 rows and
-more against a buffer of dequantized columns (register-blocked), which on a 2-core AMD
-EPYC beats the tiles up to 64 rows in both dtypes: ``BUFFERED_MAX_ROWS``.
+more against a buffer of dequantized columns (register-blocked), 128 rows per pass over
+W, which on a 2-core AMD EPYC beats the tiles up to 256 rows (a layer's four linears at
+128 rows 0.82x the tiles' time, 256 rows 0.97x, 512 rows 1.07x) and holds no tile of
+dequantized weights (~20 MiB a prompt step): ``BUFFERED_MAX_ROWS``.
 
 The int8-activation op against the native one (``--decode --threads 1``, same
 machine, heavily shared, minimum of 5; SmolLM2's shapes, float32 x): at one row int4+min
@@ -71,7 +73,7 @@ GROUP = 32
 # torch.mm (the crossovers measured above). The AVX2 build's buffered kernel for many rows
 # beats the tiles up to BUFFERED_MAX_ROWS in both dtypes (native_max_rows).
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
-BUFFERED_MAX_ROWS = 64
+BUFFERED_MAX_ROWS = 256
 # Up to this many rows of x (by the weight's bits), the int8-activation op
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see a8_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
@@ -273,7 +275,8 @@ def a16_rows(fmt: QuantFormat) -> int:
 def native_max_rows(dtype: torch.dtype) -> int:
     """Rows of x up to which ``matmul`` takes the native op (float32 / bfloat16 x on CPU):
     BUFFERED_MAX_ROWS where the op was built with its buffered kernel (AVX2: measured
-    1.5-4x faster than the tiles at 32 and 64 rows on SmolLM2's shapes, both dtypes),
+    1.5-4x faster than the tiles at 32 and 64 rows on SmolLM2's shapes, both dtypes,
+    1.2x at 128, even at 256),
     else NATIVE_MAX_ROWS by dtype."""
     if not _BUFFERED:
         from nvllm.kernels import cpu_ops

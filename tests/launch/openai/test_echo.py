@@ -16,7 +16,7 @@ import served
 from subproc import free_port, stop_process, wait_healthy
 
 from nvllm import LLM
-from nvllm.launch.openai.cli import start_gateway_process
+from nvllm.launch.openai.process import start_gateway_process
 
 pytestmark = pytest.mark.e2e
 

@@ -14,3 +14,14 @@ def test_the_gateway_imports_neither_numpy_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_leader_starts_the_gateway_without_its_web_stack():
+    """nvllm-launch's process (the leader) starts the gateway through
+    nvllm/launch/openai/process.py: fastapi and pydantic would add ~24 MiB to it."""
+    code = ("import sys; import nvllm.launch.cli, nvllm.launch.openai.process; "
+            "print(sorted(m for m in ('fastapi', 'pydantic', 'starlette', 'uvicorn') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
