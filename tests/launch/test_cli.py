@@ -123,7 +123,7 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
 
     from click.testing import CliRunner
 
-    import nvllm.launch.openai.cli as gateway_cli
+    import nvllm.launch.openai.process as gateway_proc
     from nvllm.launch import cli, engine_builder
     from nvllm.leader import server as leader_server
 
@@ -144,7 +144,7 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
     monkeypatch.setattr(leader_server, "EngineServer", FakeServer)
     monkeypatch.setattr(cli, "stop_on_signals", lambda stop: None)
     calls = []
-    real = gateway_cli.start_gateway_process
+    real = gateway_proc.start_gateway_process
 
     def fake_start(*args, **kwargs):
         calls.append(kwargs)
@@ -155,12 +155,12 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
             def __init__(self, cmd, **kw) -> None:
                 args_seen["cmd"] = cmd
 
-        monkeypatch.setattr(gateway_cli.subprocess, "Popen", Recorder)
+        monkeypatch.setattr(gateway_proc.subprocess, "Popen", Recorder)
         real(*args, **kwargs)
         kwargs["cmd"] = args_seen["cmd"]
         return popen
 
-    monkeypatch.setattr(gateway_cli, "start_gateway_process", fake_start)
+    monkeypatch.setattr(gateway_proc, "start_gateway_process", fake_start)
     base = ["--model", tiny("qwen3"), "--device", "cpu", "--http-port", "1"]
     out = CliRunner().invoke(cli.launch, [*base, "--http-max-body-bytes", "12345",
                                           "--http-trust-request-chat-template",

@@ -48,15 +48,7 @@ namespace {
 using nvllm_cpu::kQuantGroup;
 using nvllm_cpu::kQuantMaxRows;
 
-// A scale or min as float32: one instruction with F16C.
-inline float a16_f32(const c10::Half h) {
-#if defined(NVLLM_A16_AVX2)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
-inline float a16_f32(const float v) { return v; }
+using nvllm_cpu::scale_to_float;
 
 // x's rows rounded per group: qx [M, G * 32] int16; dx and xs = dx * Sx [M, gpad] (G
 // rounded up to 8, zero-padded, so eight groups load as one vector).
@@ -99,8 +91,8 @@ QuantX16 quantize_x16(const XT* x, int64_t M, int64_t K) {
 // The term added per group besides d * q: the min, -8 d (int4 without one), or none.
 template <int BITS, bool MIN, typename MT>
 inline float min_term(const c10::Half* s, const MT* m, int64_t g) {
-  if constexpr (MIN) return a16_f32(m[g]);
-  else return BITS == 4 ? -8.f * a16_f32(s[g]) : 0.f;
+  if constexpr (MIN) return scale_to_float(m[g]);
+  else return BITS == 4 ? -8.f * scale_to_float(s[g]) : 0.f;
 }
 
 #if defined(NVLLM_A16_AVX2)
@@ -185,7 +177,7 @@ inline void columns_a16(const QuantX16& xq, int64_t r0, const uint8_t* q, int64_
   }
   for (int64_t g = G8; g < G; ++g) {
     for (int c = 0; c < NC; ++c) {
-      const float d = a16_f32(s[c * G + g]);
+      const float d = scale_to_float(s[c * G + g]);
       const float mt = min_term<BITS, MIN, MT>(s + c * G, MIN ? m + c * G : nullptr, g);
       __m256i w0, w1;
       group_int16<BITS>(q + c * qrow + g * gbytes, w0, w1);
@@ -240,7 +232,7 @@ inline void columns_a16(const QuantX16& xq, int64_t r0, const uint8_t* q, int64_
     float acc[R] = {};
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* qg = q + c * qrow + g * gbytes;
-      const float d = a16_f32(s[c * G + g]);
+      const float d = scale_to_float(s[c * G + g]);
       const float mt = min_term<BITS, MIN, MT>(s + c * G, MIN ? m + c * G : nullptr, g);
       for (int r = 0; r < R; ++r) {
         const int16_t* xg = xq.qx.data() + ((r0 + r) * G + g) * kQuantGroup;
@@ -308,13 +300,9 @@ void run_a16(T* out, const QuantX16& xq, int64_t N, const uint8_t* qw, const c10
 void quant_linear_a16(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                       const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                       int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  nvllm_cpu::check_quant_weight(qweight, scales, mins, bits, N, K);
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16");
+  const nvllm_cpu::LinearDims dims =
+      nvllm_cpu::check_quant_linear(out, x, qweight, scales, mins, bits);
+  const int64_t M = dims.M, K = dims.K, N = dims.N;
   const bool f32 = x.scalar_type() == at::kFloat;
   const QuantX16 xq = f32 ? quantize_x16(x.data_ptr<float>(), M, K)
                           : quantize_x16(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);

@@ -38,17 +38,7 @@ namespace {
 using nvllm_cpu::kQuantGroup;
 using nvllm_cpu::kQuantMaxRows;
 
-// One instruction with F16C (every AVX-512 CPU has it); c10's bit-twiddling otherwise.
-inline float half_to_float(const c10::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
-// A min is fp16 (GGUF's) or float32 (-z * scale of AWQ / GPTQ zero points, exact only
-// in float32).
-inline float half_to_float(const float v) { return v; }
+using nvllm_cpu::scale_to_float;
 
 #if defined(__AVX512F__)
 // One group's 32 values as two vectors of 16 floats (values 0-15, 16-31).
@@ -145,8 +135,8 @@ inline void group_params(const c10::Half* s, const MT* m, int64_t g0, int64_t G,
     }
   } else {
     for (int i = 0; i < gn; ++i) {
-      sf[i] = half_to_float(s[g0 + i]);
-      if constexpr (MIN) mf[i] = half_to_float(m[g0 + i]);
+      sf[i] = scale_to_float(s[g0 + i]);
+      if constexpr (MIN) mf[i] = scale_to_float(m[g0 + i]);
       else mf[i] = BITS == 4 ? -8.f * sf[i] : 0.f;
     }
   }
@@ -186,7 +176,7 @@ inline void dequant_row(float* o, const uint8_t* q, const c10::Half* s, const MT
                         int64_t G) {
   constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   for (int64_t g = 0; g < G; ++g)
-    dequant_to<BITS, MIN>(q + g * gbytes, half_to_float(s[g]), MIN ? half_to_float(m[g]) : 0.f,
+    dequant_to<BITS, MIN>(q + g * gbytes, scale_to_float(s[g]), MIN ? scale_to_float(m[g]) : 0.f,
                           o + g * kQuantGroup);
 }
 
@@ -201,8 +191,8 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
   constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   for (int64_t g = 0; g < G; ++g) {
     __m512 w0, w1;
-    dequant_group<BITS, MIN>(q + g * gbytes, half_to_float(s[g]),
-                             MIN ? half_to_float(m[g]) : 0.f, w0, w1);
+    dequant_group<BITS, MIN>(q + g * gbytes, scale_to_float(s[g]),
+                             MIN ? scale_to_float(m[g]) : 0.f, w0, w1);
     const float* xg = x + g * kQuantGroup;
     for (int r = 0; r < R; ++r) {
       acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * K), acc[r][0]);
@@ -377,7 +367,7 @@ inline void dot_column(const float* x, int64_t K, const uint8_t* q, const c10::H
   constexpr int64_t gbytes = BITS == 8 ? kQuantGroup : kQuantGroup / 2;
   float w[kQuantGroup];
   for (int64_t g = 0; g < G; ++g) {
-    dequant_to<BITS, MIN>(q + g * gbytes, half_to_float(s[g]), MIN ? half_to_float(m[g]) : 0.f,
+    dequant_to<BITS, MIN>(q + g * gbytes, scale_to_float(s[g]), MIN ? scale_to_float(m[g]) : 0.f,
                           w);
     const float* xg = x + g * kQuantGroup;
     for (int r = 0; r < R; ++r) {
@@ -491,18 +481,15 @@ void run(T* out, const float* x, int64_t M, int64_t K, int64_t N, const uint8_t*
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                   const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                   int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  nvllm_cpu::check_quant_weight(qweight, scales, mins, bits, N, K);
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
+  const nvllm_cpu::LinearDims dims =
+      nvllm_cpu::check_quant_linear(out, x, qweight, scales, mins, bits);
+  const int64_t M = dims.M, K = dims.K, N = dims.N;
   const auto* qw = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   auto go = [&](auto* m) {
     if (x.scalar_type() == at::kFloat) {
       run(out.data_ptr<float>(), x.data_ptr<float>(), M, K, N, qw, s, m, bits);
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+    } else {  // bfloat16
       std::vector<float> xf(M * K);
       const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
       for (int64_t i = 0; i < M * K; ++i) xf[i] = nvllm_cpu::to_float(xb[i]);

@@ -52,8 +52,7 @@ namespace {
 using nvllm_cpu::kQuantGroup;
 using nvllm_cpu::kQuantMaxRows;
 
-inline float to_f32(const c10::Half h) { return static_cast<float>(h); }
-inline float to_f32(const float v) { return v; }
+using nvllm_cpu::scale_to_float;
 
 // x's rows quantized per group: qx [M, G * 32] int8, dx [M, G], sx [M, G] (sum of qx).
 struct QuantX {
@@ -112,14 +111,14 @@ void column_scalar(const QuantX& xq, int64_t r0, const uint8_t* q, const c10::Ha
   for (int64_t g = 0; g < G; ++g) {
     int32_t w[kQuantGroup];
     for (int j = 0; j < kQuantGroup; ++j) w[j] = stored<BITS, MIN>(q + g * gbytes, j);
-    const float d = to_f32(s[g]);
+    const float d = scale_to_float(s[g]);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * G + g;
       const int8_t* xg = xq.qx.data() + i * kQuantGroup;
       int32_t dot = 0;
       for (int j = 0; j < kQuantGroup; ++j) dot += w[j] * xg[j];
       acc[r] += d * xq.dx[i] * static_cast<float>(dot);
-      if constexpr (MIN) acc[r] += to_f32(m[g]) * xq.dx[i] * static_cast<float>(xq.sx[i]);
+      if constexpr (MIN) acc[r] += scale_to_float(m[g]) * xq.dx[i] * static_cast<float>(xq.sx[i]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -284,7 +283,7 @@ inline void column_avx2(const QuantX& xq, const float* xs, int64_t xs_stride, in
     if (gn == 8) {
       _mm256_store_ps(sf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g0))));
     } else {
-      for (int i = 0; i < gn; ++i) sf[i] = to_f32(s[g0 + i]);
+      for (int i = 0; i < gn; ++i) sf[i] = scale_to_float(s[g0 + i]);
     }
     for (int i = 0; i < gn; ++i) {
       const int64_t g = g0 + i;
@@ -377,13 +376,9 @@ void run(T* out, const QuantX& xq, int64_t N, const uint8_t* qw, const c10::Half
 void quant_linear_a8(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                      int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  nvllm_cpu::check_quant_weight(qweight, scales, mins, bits, N, K);
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [M, N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x must be float32 or bfloat16");
+  const nvllm_cpu::LinearDims dims =
+      nvllm_cpu::check_quant_linear(out, x, qweight, scales, mins, bits);
+  const int64_t M = dims.M, K = dims.K, N = dims.N;
   const bool f32 = x.scalar_type() == at::kFloat;
   const QuantX xq = f32 ? quantize_x(x.data_ptr<float>(), M, K)
                         : quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);

@@ -10,13 +10,25 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace nvllm_cpu {
 
 constexpr int64_t kQuantGroup = 32;
+
+// A scale (fp16) or a min (fp16: GGUF's; or float32: -z * scale of AWQ / GPTQ zero
+// points, exact only in float32) as float32: one instruction with F16C (every AVX-512
+// CPU has it); c10's bit-twiddling otherwise.
+inline float scale_to_float(const c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+inline float scale_to_float(const float v) { return v; }
 constexpr int64_t kQuantMaxRows = 8;  // rows of x per pass over the weight
 
 // qweight, scales and mins hold an [N, K] weight in `bits`.
@@ -36,6 +48,25 @@ inline void check_quant_weight(const at::Tensor& qweight, const at::Tensor& scal
                     mins->is_contiguous() && mins->sizes() == scales.sizes(),
                 "mins: fp16 or float32, shaped like scales");
   }
+}
+
+// The quantized linears' arguments: out [M, N] and x [M, K] contiguous, one dtype,
+// float32 or bfloat16; the weight [N, K] in `bits`. Returns {M, K, N}.
+struct LinearDims {
+  int64_t M, K, N;
+};
+
+inline LinearDims check_quant_linear(const at::Tensor& out, const at::Tensor& x,
+                                     const at::Tensor& qweight, const at::Tensor& scales,
+                                     const c10::optional<at::Tensor>& mins, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: contiguous 2-D");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out: one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const LinearDims d{x.size(0), x.size(1), qweight.size(0)};
+  check_quant_weight(qweight, scales, mins, bits, d.N, d.K);
+  TORCH_CHECK(out.size(0) == d.M && out.size(1) == d.N, "out: [M, N]");
+  return d;
 }
 
 // f(mins pointer): const float* for float32 mins, else const c10::Half* (nullptr: none).
