@@ -15,7 +15,7 @@
 //   r += h, h = rms_norm(r); h = silu(h W_gate^T) * (h W_up^T); h = h W_down^T
 // Each linear takes quant_linear_a8 up to its bits' a8 row count, else quant_linear_a16
 // up to its a16 row count, else quant_linear (the caller passes nvllm/worker/layers/
-// quant.py's a8_rows and a16_rows for 4 and 8 bits); the caller sends only steps whose rows
+// quant.py's act_rows for each op at 4 and 8 bits); the caller sends only steps whose rows
 // quant_linear serves (native_max_rows).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>

@@ -18,11 +18,11 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 
 ``QuantizedWeight.matmul`` is x W^T: on CUDA the Triton W4A16 / W8A16 GEMM
 (``nvllm/kernels/triton_quant.py``, reading these layouts as stored); on CPU, up to
-``a16_rows`` rows (decode, the default on AVX2 CPUs), x rounded to int16 per group of 32
+``act_rows`` rows (decode, the default on AVX2 CPUs), x rounded to int16 per group of 32
 and integer dot products (``csrc/cpu_quant_a16.cpp``; results move by x's rounding, at
-most half of 1/32767 of the group's largest value per value); opt-in up to ``a8_rows``
-rows, x quantized to int8 instead (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI or AVX2:
-llama.cpp's Q8 activations); NVLLM_QUANT_ACTIVATIONS chooses; else nvllm's native op
+most half of 1/32767 of the group's largest value per value); opt-in, x quantized to
+int8 instead (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI or AVX2: llama.cpp's Q8
+activations); NVLLM_QUANT_ACTIVATIONS chooses; else nvllm's native op
 (``csrc/cpu_quant_linear.cpp``, integers in registers, float32 accumulation) for up to
 ``native_max_rows`` rows, else a tile of W's rows dequantized into x's dtype (one native
 pass, or the torch reference ``dequantize`` without the native ops) and ``torch.mm``.
@@ -75,10 +75,10 @@ GROUP = 32
 NATIVE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
 BUFFERED_MAX_ROWS = 256
 # Up to this many rows of x (by the weight's bits), the int8-activation op
-# (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see a8_rows.
+# (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see act_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
 # Up to this many rows, the int16-activation op (csrc/cpu_quant_a16.cpp) where it is
-# built with its AVX2 loop: see a16_rows. Measured (all of SmolLM2-135M's decode linears
+# built with its AVX2 loop: see act_rows. Measured (all of SmolLM2-135M's decode linears
 # read from memory, 2 threads, AVX2 EPYC): 1.2-1.4x the float op at one row, 1.1x at two,
 # even at four, slower from five (the float op's buffered kernel).
 A16_MAX_ROWS = {4: 2, 8: 2}
@@ -188,12 +188,12 @@ class QuantizedWeight:
 
             out = triton_quant.quant_matmul(x2, self.qweight, self.scales, self.mins,
                                             self.fmt.bits)
-        elif native and x2.shape[0] <= a8_rows(self.fmt):
+        elif native and x2.shape[0] <= act_rows("a8", self.fmt):
             from nvllm.kernels import cpu_ops
 
             out = cpu_ops.quant_linear_a8(x2, self.qweight, self.scales, self.mins,
                                           self.fmt.bits)
-        elif native and x2.shape[0] <= a16_rows(self.fmt):
+        elif native and x2.shape[0] <= act_rows("a16", self.fmt):
             from nvllm.kernels import cpu_ops
 
             out = cpu_ops.quant_linear_a16(x2, self.qweight, self.scales, self.mins,
@@ -252,24 +252,22 @@ def act_mode() -> str:
     return _ACT[0]
 
 
-def a8_rows(fmt: QuantFormat) -> int:
-    """Rows of x up to which ``matmul`` quantizes x to int8 per group of 32 (the VNNI /
-    AVX2 op; 0: never): A8_MAX_ROWS under ``int8`` (where it was measured faster than the
-    float op, docs/quantization.md's table), any row count under ``int8-always``."""
-    mode = act_mode()
-    if mode == "int8-always":
-        return 1 << 62
-    return A8_MAX_ROWS.get(fmt.bits, 0) if mode == "int8" else 0
+# Per mode: the quantized-activation op it takes and up to how many rows by the weight's
+# bits (None: every row count); "off" takes none.
+_MODE_OPS = {"auto": ("a16", A16_MAX_ROWS), "int8": ("a8", A8_MAX_ROWS),
+             "int8-always": ("a8", None), "int16-always": ("a16", None)}
 
 
-def a16_rows(fmt: QuantFormat) -> int:
-    """Rows of x up to which ``matmul`` rounds x to int16 per group of 32 (0: never):
-    A16_MAX_ROWS under ``auto`` (the default, where the AVX2 loop is built), any row
-    count under ``int16-always``; never under ``off``."""
-    mode = act_mode()
-    if mode == "int16-always":
-        return 1 << 62
-    return A16_MAX_ROWS.get(fmt.bits, 0) if mode == "auto" else 0
+def act_rows(op: str, fmt: QuantFormat) -> int:
+    """Rows of x up to which ``matmul`` takes the int8 ("a8": the VNNI / AVX2 op) or the
+    int16 ("a16") activation op for a weight in ``fmt`` (0: never), under the mode in
+    effect (act_mode): A8_MAX_ROWS under ``int8`` and A16_MAX_ROWS under ``auto`` (where
+    each was measured faster than the float op, docs/quantization.md), any row count
+    under ``int8-always`` / ``int16-always``."""
+    taken = _MODE_OPS.get(act_mode())
+    if taken is None or taken[0] != op:
+        return 0
+    return 1 << 62 if taken[1] is None else taken[1].get(fmt.bits, 0)
 
 
 def native_max_rows(dtype: torch.dtype) -> int:

@@ -31,8 +31,7 @@ from nvllm.kernels.metadata import AttentionMetadata
 from nvllm.worker.layers.quant import (
     QuantFormat,
     QuantizedWeight,
-    a8_rows,
-    a16_rows,
+    act_rows,
     native_max_rows,
 )
 
@@ -122,7 +121,7 @@ def run(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
     if not held:
         return None
     tables = rope_tables(layers[0])
-    act = (a8_rows(_INT4), a8_rows(_INT8), a16_rows(_INT4), a16_rows(_INT8))
+    act = [act_rows(op, fmt) for op in ("a8", "a16") for fmt in (_INT4, _INT8)]
     if meta.cpu_kv is not None:  # the contiguous copies (cpu_kv_mirror)
         dec = meta.cpu_kv.decode
         if dec is None or not cpu_attention.serves_all_rows(dec, meta, x.shape[0]):
