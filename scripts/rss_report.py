@@ -70,6 +70,8 @@ def describe(d: pathlib.Path) -> str:
     for i, a in enumerate(args):
         if a == "-c" and i + 1 < len(args) and args[i + 1].startswith("from "):
             return args[i + 1].split()[1]  # multiprocessing's resource tracker
+        if a == "-c" and i + 1 < len(args) and "/dev/shm/nvllm-" in args[i + 1]:
+            return "shm janitor (sh)"  # nvllm/common/shm_janitor.py
         if a == "-m" and i + 1 < len(args):
             return args[i + 1]
         base = os.path.basename(a)

@@ -437,9 +437,10 @@ def test_a_forked_child_never_unlinks_its_parents_ring():
 OWNER_SNIPPET = r"""
 import os, signal, sys, time, numpy as np
 from nvllm.common.transport import ArrayWriter
+from multiprocessing import resource_tracker
 w = ArrayWriter()
 w.put(np.arange(100))
-print(w.name, flush=True)
+print(w.name, resource_tracker._resource_tracker._pid, flush=True)
 mode = sys.argv[1]
 if mode == "raise":
     raise SystemExit("owner fails")
@@ -452,11 +453,12 @@ if mode == "kill":
 def test_no_leftovers_after_the_owner_process_exits(mode):
     proc = subprocess.Popen([sys.executable, "-c", OWNER_SNIPPET, mode], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    name = proc.stdout.readline().strip()
+    name, tracker = proc.stdout.readline().split()
     assert name.startswith("nvllm-tr-")
+    assert tracker == "None"  # no multiprocessing resource tracker (a 15 MiB process)
     if mode == "kill":
         assert (SHM_DIR / name).exists()
-        os.kill(proc.pid, signal.SIGKILL)  # no atexit: the resource tracker cleans up
+        os.kill(proc.pid, signal.SIGKILL)  # no atexit: the owner's janitor cleans up
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
     while (SHM_DIR / name).exists() and time.monotonic() < deadline:

@@ -8,6 +8,8 @@ import os
 import pathlib
 import sys
 
+from nvllm.common.shm_janitor import janitor_script
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("rss_report", ROOT / "scripts" / "rss_report.py")
 rss_report = importlib.util.module_from_spec(spec)
@@ -50,14 +52,16 @@ def test_tree_walk_names_and_total(tmp_path):
     fake_proc(tmp_path, 2, ["python", "-m", "nvllm.launch.openai"], [4])
     fake_proc(tmp_path, 3, ["python", "-c", "from multiprocessing.resource_tracker "
                             "import main;main(5)"], [])
-    fake_proc(tmp_path, 4, ["python"], [])
+    fake_proc(tmp_path, 4, ["python"], [5])
+    fake_proc(tmp_path, 5, ["/bin/sh", "-c", janitor_script(1, "nvllm-tr-1-*")], [])
     pids = rss_report.tree(1, tmp_path)
-    assert pids == [1, 2, 3, 4]
+    assert pids == [1, 2, 3, 4, 5]
     rows = [rss_report.proc_memory(p, tmp_path) for p in pids]
     assert [r.name for r in rows] == ["nvllm-leader", "nvllm.launch.openai",
-                                      "multiprocessing.resource_tracker", "python"]
+                                      "multiprocessing.resource_tracker", "python",
+                                      "shm janitor (sh)"]
     total = rss_report.format_table(rows).splitlines()[-1]
-    assert total.startswith("| | **total** | 3,125.0 | 2,343.8 | 742.2 | 39.1 | 2,734.4 |")
+    assert total.startswith("| | **total** | 3,906.2 | 2,929.7 | 927.7 | 48.8 | 3,418.0 |")
 
 
 def test_reads_this_process():

@@ -25,12 +25,13 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
 
 from nvllm.common.errors import NvllmError
+from nvllm.common.shm_janitor import ensure_janitor
+from nvllm.common.shm_segments import unlink_segment
 from nvllm.common.transport.refs import (
     DTYPES,
     INLINE,
@@ -68,37 +69,44 @@ def _round_up(n: int, to: int) -> int:
 
 
 class _Owned:
-    """What the finalizer releases: the segment and the views into it (dropped first, or
-    SharedMemory.close raises BufferError). Kept apart from the writer so that
-    weakref.finalize does not keep the writer alive."""
+    """What the finalizer releases: the segment's name and mapping, and the views into it
+    (dropped first, or closing the mapping raises BufferError). Kept apart from the
+    writer so that weakref.finalize does not keep the writer alive."""
 
-    __slots__ = ("shm", "table", "data", "pid")
+    __slots__ = ("name", "mm", "table", "data", "pid")
 
-    def __init__(self, shm: SharedMemory) -> None:
-        self.shm, self.table, self.data = shm, None, None
+    def __init__(self, name: str, mm: mmap.mmap) -> None:
+        self.name, self.mm, self.table, self.data = name, mm, None, None
         self.pid = os.getpid()
+
+
+def _create_segment(name: str, size: int) -> mmap.mmap:
+    """A new segment of `size` bytes, mapped: shm_open (never through SharedMemory, which
+    would start multiprocessing's resource tracker: nvllm/common/shm_janitor.py says why),
+    its tmpfs pages reserved now so that a full /dev/shm is an error here rather than a
+    SIGBUS in the middle of a step."""
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, size)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)  # holds its own copy of the descriptor
+    except BaseException:
+        unlink_segment(name)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _release(owned: _Owned) -> None:
     if os.getpid() != owned.pid:  # a forked child exiting: the ring is its parent's
         return
     owned.table = owned.data = None
-    shm = owned.shm
+    unlink_segment(owned.name)  # first: the name goes at once, the memory with the mapping
     try:
-        shm.unlink()  # first: the name goes at once, the memory when the last mapping does
-    except FileNotFoundError:
-        pass
-    try:
-        shm.close()
+        owned.mm.close()
     except BufferError:
-        # A caller still holds arrays of a reservation: the mapping stays
-        # until they die; stop SharedMemory.__del__ from retrying (and warning).
-        try:
-            os.close(shm._fd)
-        except (AttributeError, OSError):
-            pass
-        shm._buf = shm._mmap = None
-        shm._fd = -1
+        pass  # a caller still holds arrays of a reservation: mapped until they die
 
 
 class Reservation:
@@ -191,35 +199,25 @@ class ArrayWriter:
         data_off = _round_up(table_end, mmap.PAGESIZE)
         size = data_off + self.capacity
         self.name = new_buffer_name()
+        ensure_janitor("tr")  # removes the ring should this process be killed
         try:
-            shm = SharedMemory(self.name, create=True, size=size)
+            mm = _create_segment(self.name, size)
         except OSError as e:
-            raise TransportError(f"cannot create shared memory {self.name!r} "
-                                 f"({e})") from None
-        owned = self._owned = _Owned(shm)
+            raise TransportError(f"cannot set up a {self.capacity}-byte transport ring in "
+                                 f"/dev/shm ({e}): free space there or lower "
+                                 "capacity_bytes") from None
+        owned = self._owned = _Owned(self.name, mm)
         # From here the finalizer unlinks on close(), on garbage collection and at exit;
-        # a killed process leaves it to multiprocessing's resource tracker, which
-        # SharedMemory(create=True) registered it with.
+        # a killed process leaves it to its janitor.
         self._finalizer = weakref.finalize(self, _release, owned)
         try:
-            # tmpfs pages are taken on first touch: reserve them now, so a full /dev/shm
-            # is an error here rather than a SIGBUS in the middle of a step.
-            fd = getattr(shm, "_fd", -1)
-            if fd >= 0 and hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            buf = shm.buf
-            _HDR.pack_into(buf, 0, MAGIC, VERSION, SHM, self.num_slots,
+            _HDR.pack_into(mm, 0, MAGIC, VERSION, SHM, self.num_slots,
                            self.slot_bytes, HEADER_BYTES, data_off, self.capacity)
             # np.frombuffer, never np.ndarray(buffer=...): only frombuffer holds a buffer
             # export, so the mapping cannot be closed under a live view (close() raises
             # BufferError instead, and the views keep it mapped).
-            owned.table = np.frombuffer(buf, np.uint64, self.num_slots, HEADER_BYTES)
-            owned.data = np.frombuffer(buf, np.uint8, self.capacity, data_off)
-        except OSError as e:
-            self.close()
-            raise TransportError(f"cannot set up a {self.capacity}-byte transport ring in "
-                                 f"/dev/shm ({e}): free space there or lower "
-                                 "capacity_bytes") from None
+            owned.table = np.frombuffer(mm, np.uint64, self.num_slots, HEADER_BYTES)
+            owned.data = np.frombuffer(mm, np.uint8, self.capacity, data_off)
         except BaseException:
             self.close()
             raise
