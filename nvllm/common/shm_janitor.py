@@ -6,9 +6,11 @@ A ring's owner unlinks it on close, on garbage collection and at exit
 tracker, a Python process of its own (15 MiB resident here, 2% of a served SmolLM2's
 whole tree) that unlinks what a dead owner left. The rings are made with ``shm_open``
 directly instead, and this module starts, once per owning process, a POSIX shell that
-polls the owner every second and then removes ``/dev/shm/nvllm-tr-<owner pid>-*``:
-the same guarantee in about 1 MiB. It runs in its own session, so a signal to the
-owner's process group (a Ctrl-C, a supervisor's killpg) does not take it down first.
+blocks reading a pipe whose only writer is the owner: the read ends when the owner is
+gone, however it died (the kernel closes its descriptors), and the shell removes
+``/dev/shm/nvllm-tr-<owner pid>-*`` and exits. The resource tracker's own mechanism, in
+about 1.6 MiB. It runs in its own session, so a signal to the owner's process group (a
+Ctrl-C, a supervisor's killpg) does not take it down first.
 
 Where there is no ``/dev/shm`` or no ``/bin/sh`` no watcher starts, and a killed owner's
 rings stay until ``nvllm.common.shm_segments.sweep_orphan_segments`` runs (the data-
@@ -23,35 +25,38 @@ import threading
 
 SHM_DIR = "/dev/shm"
 SHELL = "/bin/sh"
-POLL_S = 1
 
 _lock = threading.Lock()
 _watched_pid: int | None = None
 _janitor: subprocess.Popen | None = None  # held: a dropped Popen warns that it still runs
+_pipe_w: int | None = None  # the owner's end, open until the process is gone
 
 
-def janitor_script(owner: int, pattern: str) -> str:
-    """The shell loop: wait for `owner` to be gone, then remove its segments."""
-    return (f"while kill -0 {owner} 2>/dev/null; do sleep {POLL_S}; done; "
-            f"rm -f {SHM_DIR}/{pattern}")
+def janitor_script(pattern: str) -> str:
+    """The shell: wait for end of input (the owner gone), then remove its segments."""
+    return f"read line; rm -f {SHM_DIR}/{pattern}"
 
 
 def ensure_janitor(kind: str = "tr") -> bool:
     """Start this process's watcher for its ``nvllm-KIND-PID-*`` segments (once per
     process: a forked child gets its own). True if one runs."""
-    global _watched_pid, _janitor
+    global _watched_pid, _janitor, _pipe_w
     pid = os.getpid()
     with _lock:
         if _watched_pid == pid:
             return True
         if not (os.path.isdir(SHM_DIR) and os.access(SHELL, os.X_OK)):
             return False
+        r, w = os.pipe()  # both close-on-exec: no other child of ours holds the writer
         try:
             _janitor = subprocess.Popen(
-                [SHELL, "-c", janitor_script(pid, f"nvllm-{kind}-{pid}-*")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+                [SHELL, "-c", janitor_script(f"nvllm-{kind}-{pid}-*")],
+                stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                close_fds=True, start_new_session=True)
         except OSError:
+            os.close(w)
             return False
-        _watched_pid = pid
+        finally:
+            os.close(r)
+        _pipe_w, _watched_pid = w, pid
         return True

@@ -21,25 +21,28 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(shm_janitor.SHM_DIR),
                                 reason="no /dev/shm")
 
 
-def test_the_script_waits_for_its_owner_then_removes_only_its_segments():
-    script = shm_janitor.janitor_script(1234, "nvllm-tr-1234-*")
-    assert script.startswith("while kill -0 1234 ")
-    assert script.endswith(f"rm -f {shm_janitor.SHM_DIR}/nvllm-tr-1234-*")
+def test_the_script_waits_for_end_of_input_then_removes_only_its_segments():
+    script = shm_janitor.janitor_script("nvllm-tr-1234-*")
+    assert script == f"read line; rm -f {shm_janitor.SHM_DIR}/nvllm-tr-1234-*"
 
 
 def test_one_watcher_per_process(monkeypatch):
     started = []
     monkeypatch.setattr(shm_janitor, "_watched_pid", None)
     monkeypatch.setattr(shm_janitor, "_janitor", shm_janitor._janitor)  # restored after
+    monkeypatch.setattr(shm_janitor, "_pipe_w", shm_janitor._pipe_w)
     monkeypatch.setattr(shm_janitor.subprocess, "Popen",
                         lambda args, **kw: started.append((args, kw)))
     assert shm_janitor.ensure_janitor() and shm_janitor.ensure_janitor()
     assert len(started) == 1
     args, kw = started[0]
     assert args[:2] == [shm_janitor.SHELL, "-c"] and f"nvllm-tr-{os.getpid()}-*" in args[2]
+    assert isinstance(kw["stdin"], int)  # the pipe's read end; this process holds the writer
     assert kw["start_new_session"]  # a killpg of the owner's group spares it
+    os.close(shm_janitor._pipe_w)
     monkeypatch.setattr(shm_janitor, "_watched_pid", os.getpid() + 1)  # as in a fork
     assert shm_janitor.ensure_janitor() and len(started) == 2
+    os.close(shm_janitor._pipe_w)
 
 
 GROUP_OWNER = r"""
@@ -84,10 +87,9 @@ def test_segments_of_others_are_left_alone():
     try:
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True)
-        pid = int(dead.stdout)  # gone: its janitor's loop ends at once
-        subprocess.run([shm_janitor.SHELL, "-c",
-                        shm_janitor.janitor_script(pid, f"nvllm-tr-{pid}-*")],
-                       check=True, timeout=30)
+        pid = int(dead.stdout)
+        subprocess.run([shm_janitor.SHELL, "-c", shm_janitor.janitor_script(
+            f"nvllm-tr-{pid}-*")], stdin=subprocess.DEVNULL, check=True, timeout=30)
         assert os.path.exists(os.path.join(shm_janitor.SHM_DIR, other))
     finally:
         unlink_segment(other)

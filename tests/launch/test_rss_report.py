@@ -53,7 +53,7 @@ def test_tree_walk_names_and_total(tmp_path):
     fake_proc(tmp_path, 3, ["python", "-c", "from multiprocessing.resource_tracker "
                             "import main;main(5)"], [])
     fake_proc(tmp_path, 4, ["python"], [5])
-    fake_proc(tmp_path, 5, ["/bin/sh", "-c", janitor_script(1, "nvllm-tr-1-*")], [])
+    fake_proc(tmp_path, 5, ["/bin/sh", "-c", janitor_script("nvllm-tr-1-*")], [])
     pids = rss_report.tree(1, tmp_path)
     assert pids == [1, 2, 3, 4, 5]
     rows = [rss_report.proc_memory(p, tmp_path) for p in pids]
