@@ -37,9 +37,10 @@ def janitor_script(pattern: str) -> str:
     return f"read line; rm -f {SHM_DIR}/{pattern}"
 
 
-def ensure_janitor(kind: str = "tr") -> bool:
-    """Start this process's watcher for its ``nvllm-KIND-PID-*`` segments (once per
-    process: a forked child gets its own). True if one runs."""
+def ensure_janitor() -> bool:
+    """Start this process's watcher for its rings, ``nvllm-tr-PID-*`` (once per process:
+    a forked child gets its own, and holds its parent's pipe too, so the parent's rings
+    go once both are gone). True if one runs."""
     global _watched_pid, _janitor, _pipe_w
     pid = os.getpid()
     with _lock:
@@ -50,7 +51,7 @@ def ensure_janitor(kind: str = "tr") -> bool:
         r, w = os.pipe()  # both close-on-exec: no other child of ours holds the writer
         try:
             _janitor = subprocess.Popen(
-                [SHELL, "-c", janitor_script(f"nvllm-{kind}-{pid}-*")],
+                [SHELL, "-c", janitor_script(f"nvllm-tr-{pid}-*")],
                 stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 close_fds=True, start_new_session=True)
         except OSError:

@@ -199,7 +199,7 @@ class ArrayWriter:
         data_off = _round_up(table_end, mmap.PAGESIZE)
         size = data_off + self.capacity
         self.name = new_buffer_name()
-        ensure_janitor("tr")  # removes the ring should this process be killed
+        ensure_janitor()  # removes the ring should this process be killed
         try:
             mm = _create_segment(self.name, size)
         except OSError as e:
