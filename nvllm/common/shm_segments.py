@@ -1,5 +1,5 @@
-"""Names of the engine's POSIX shared-memory segments other than the plan ring's
-(nvllm/common/transport/ring.py), and their removal.
+"""Names of the engine's POSIX shared-memory segments (the transport rings' too, kind
+"tr": nvllm/common/transport/ring.py), and their removal.
 
 A name is ``nvllm-KIND-PID-TOKEN``: "nvllm" in it so the leak checks over /dev/shm see
 it, the pid of the process that named it (whose segment it is), and 12 random hex digits

@@ -44,9 +44,10 @@ timeout_s for that; each ref's generation is checked against the ring's table in
 memory, so a reader never silently reads a rewritten region. Ring names are
 ``nvllm-tr-PID-TOKEN`` (unique; "nvllm" for /dev/shm leak checks); the owner unlinks on
 close(), on garbage collection and at exit (weakref.finalize), and if it is killed,
-its janitor does (nvllm/common/shm_janitor.py: a shell that waits on a pipe only the owner
-holds, started once per process; rings are made with shm_open, so multiprocessing's resource tracker
-never starts). Readers map rings read-only. Nothing is ever unpickled.
+its janitor does (nvllm/common/shm_janitor.py: a shell that waits on a pipe only the
+owner holds, started once per process; rings are made with shm_open, so
+multiprocessing's resource tracker never starts). Readers map rings read-only. Nothing is
+ever unpickled.
 
 Intended integration (leader -> workers plan path)
 --------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import secrets
 import struct
 import threading
 import time
@@ -31,7 +30,7 @@ import numpy as np
 
 from nvllm.common.errors import NvllmError
 from nvllm.common.shm_janitor import ensure_janitor
-from nvllm.common.shm_segments import unlink_segment
+from nvllm.common.shm_segments import new_segment_name, unlink_segment
 from nvllm.common.transport.refs import (
     DTYPES,
     INLINE,
@@ -59,9 +58,9 @@ class TransportError(NvllmError, RuntimeError):
 
 
 def new_buffer_name() -> str:
-    """Unique per writer (two engines side by side never collide); "nvllm" in it so the
-    leak checks over /dev/shm see it, and the pid says whose it is."""
-    return f"nvllm-tr-{os.getpid()}-{secrets.token_hex(6)}"
+    """Unique per writer: nvllm/common/shm_segments.py's naming rule, kind "tr" (what the
+    janitor and the sweep of dead owners' segments match)."""
+    return new_segment_name("tr")
 
 
 def _round_up(n: int, to: int) -> int:
