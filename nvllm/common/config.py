@@ -210,6 +210,11 @@ class EngineConfig:
     cpu_malloc_reuse: bool = _setting(
         True, "CPU: glibc malloc keeps freed memory mapped, so each step's activations "
               "reuse pages instead of faulting in fresh ones.")
+    page_out_libraries: bool = _setting(
+        True, "Once warm, the leader, the workers and the HTTP gateway give back the "
+              "shared-library pages their start-up touched (madvise MADV_PAGEOUT; ~70 MiB "
+              "of torch's in a CPU worker); the pages steps use fault back in. "
+              "nvllm/common/pageout.py.")
     async_scheduling: bool = _setting(
         True, "Send step N+1's plan before applying step N's result, so the leader's work "
               "overlaps the workers' (outputs are identical either way).")

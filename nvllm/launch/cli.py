@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from nvllm.common.pageout import page_out_libraries
 from nvllm.common.proc import freeze_startup_objects, stop_on_signals
 from nvllm.launch.openai.tool_parsers import PARSER_CHOICES
 from nvllm.launch.options import engine_options
@@ -232,9 +233,12 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
             run_demo(engine, max_tokens, temperature)
         else:
             freeze_startup_objects()  # this process is the leader's alone from here
+            if config.page_out_libraries:
+                page_out_libraries("leader")
             _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
                    http_host if http_port is not None else None, http_port, api_key,
-                   shutdown_timeout, http_options)
+                   shutdown_timeout,
+                   {**http_options, "page_out_libraries": config.page_out_libraries})
     finally:
         engine.shutdown()
 

@@ -34,6 +34,7 @@ import zmq
 from nvllm.common import trace, worker_protocol
 from nvllm.common.config import EngineConfig
 from nvllm.common.errors import ProtocolError
+from nvllm.common.pageout import page_out_libraries
 from nvllm.common.proc import die_with_parent, freeze_startup_objects, set_process_title
 from nvllm.common.transport import ArrayReader
 from nvllm.common.zmq_utils import make_socket
@@ -273,6 +274,8 @@ def run_worker(spec: dict) -> None:
                 if device.type == "cpu":
                     trim_after_load(rank)
                 freeze_startup_objects()
+                if config.page_out_libraries:
+                    page_out_libraries(f"rank {rank}")
                 result_sock.send(worker_protocol.encode(
                     worker_protocol.WorkerReady(rank, "kv", msg.num_blocks)))
             elif isinstance(msg, worker_protocol.LoadGrammars):

@@ -173,9 +173,13 @@ def test_launch_passes_the_http_options_to_the_gateway(tiny, monkeypatch):
     assert cmd[cmd.index("--max-body-bytes") + 1] == "12345"
     assert "--trust-request-chat-template" in cmd and "--allow-priority" in cmd
     assert cmd[cmd.index("--tool-call-parser") + 1] == "llama3_json"
+    out = CliRunner().invoke(cli.launch, [*base, "--no-page-out-libraries"])
+    assert out.exit_code == 0, out.output
+    assert calls[-1]["page_out_libraries"] is False
+    assert "--no-page-out-libraries" in calls[-1]["cmd"]  # the engine's setting, shared
     out = CliRunner().invoke(cli.launch, base)  # defaults: nothing added
     assert out.exit_code == 0, out.output
-    assert not {"--max-body-bytes", "--trust-request-chat-template",
+    assert not {"--max-body-bytes", "--trust-request-chat-template", "--no-page-out-libraries",
                 "--allow-priority", "--tool-call-parser"} & set(calls[-1]["cmd"])
 
 

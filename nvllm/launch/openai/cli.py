@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from nvllm.common import pageout
 from nvllm.common.proc import die_with_parent, set_process_title
 from nvllm.common.zmq_utils import load_client_keys
 from nvllm.launch.openai.process import check_http_host
@@ -56,12 +57,15 @@ def _bind(host: str, port: int) -> socket.socket:
               help="How tool_choice \"auto\" finds tool calls in the model's text: hermes "
                    "(<tool_call> JSON </tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json "
                    "(a JSON call as the whole output), or auto: from the tokenizer.")
+@click.option("--page-out-libraries/--no-page-out-libraries", default=True,
+              help="Once started, give back the shared-library pages start-up touched "
+                   "(madvise MADV_PAGEOUT; nvllm/common/pageout.py).")
 @click.option("--log-level", default="info",
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: str | None,
          tokenizer: str | None, curve_key_dir: str | None, max_body_bytes: int,
          trust_request_chat_template: bool, allow_priority: bool, tool_call_parser: str,
-         log_level: str) -> None:
+         page_out_libraries: bool, log_level: str) -> None:
     """OpenAI-compatible HTTP server for a running nvllm engine."""
     try:
         check_http_host(host, api_key)
@@ -89,4 +93,6 @@ def main(endpoint: str, host: str, port: int, model_name: str | None, api_key: s
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"nvllm-serve on http://{shown}:{sock.getsockname()[1]} -> {endpoint}")
     sys.stdout.flush()
+    if page_out_libraries:  # the web stack is imported and the app built: warm enough
+        pageout.page_out_libraries("gateway")
     server.run(sockets=[sock])

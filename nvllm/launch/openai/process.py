@@ -26,7 +26,7 @@ def start_gateway_process(endpoint: str, host: str, port: int, model_name: str |
                           log_level: str = "warning", max_body_bytes: int | None = None,
                           trust_request_chat_template: bool = False,
                           allow_priority: bool = False, tool_call_parser: str = "auto",
-                          **popen_kwargs: Any
+                          page_out_libraries: bool = True, **popen_kwargs: Any
                           ) -> subprocess.Popen:
     """Start ``python -m nvllm.launch.openai`` attached to `endpoint`; the caller owns
     the process (terminate it, then wait). Raises ValueError at once (no process) for a
@@ -46,6 +46,8 @@ def start_gateway_process(endpoint: str, host: str, port: int, model_name: str |
         cmd += ["--allow-priority"]
     if tool_call_parser != "auto":
         cmd += ["--tool-call-parser", tool_call_parser]
+    if not page_out_libraries:
+        cmd += ["--no-page-out-libraries"]
     env = dict(popen_kwargs.pop("env", None) or os.environ, NVLLM_PARENT_PID=str(os.getpid()))
     if api_key:  # by environment, not argv: ps shows every user a process's arguments
         env["NVLLM_API_KEY"] = api_key
