@@ -19,6 +19,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata
@@ -125,7 +127,7 @@ def gguf_metadata_dir(first: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{first.stem}.tmp-", dir=root))
     try:
-        _convert_gguf_metadata(first, tmp)
+        _convert_in_child(first, tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process got there first: its folder is as good
@@ -141,6 +143,23 @@ def gguf_metadata_dir(first: Path) -> Path:
 # head_dim 128, Qwen3-MoE's moe_intermediate_size 768) whatever the file says.
 _MISSED_KEYS = {"attention.key_length": "head_dim",
                 "expert_feed_forward_length": "moe_intermediate_size"}
+
+
+def _convert_in_child(gguf_path: Path, out: Path) -> None:
+    """_convert_gguf_metadata in a child process. transformers' GGUF config and tokenizer
+    readers import transformers and torch: ~290 MiB that the first process to meet a file
+    (a serving leader: 355 MiB instead of 63) would keep for its life. A ValueError in the
+    child (an architecture nvllm does not read) is raised here as one."""
+    error = out / ".conversion-error.json"
+    r = subprocess.run([sys.executable, "-m", "nvllm.common.model_source", str(gguf_path),
+                        str(out)], capture_output=True, text=True)
+    if r.returncode == 0:
+        return
+    if error.is_file():
+        e = json.loads(error.read_text())
+        raise (ValueError if e["type"] == "ValueError" else RuntimeError)(e["message"])
+    raise RuntimeError(f"converting the metadata of {gguf_path} failed (exit code "
+                       f"{r.returncode}):\n{r.stderr[-4000:]}")
 
 
 def _convert_gguf_metadata(gguf_path: Path, out: Path) -> None:
@@ -196,3 +215,12 @@ def causal_lm_architecture(model_type: str) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+if __name__ == "__main__":  # _convert_in_child's child: GGUF_PATH OUT_DIR
+    try:
+        _convert_gguf_metadata(Path(sys.argv[1]), Path(sys.argv[2]))
+    except Exception as exc:
+        (Path(sys.argv[2]) / ".conversion-error.json").write_text(json.dumps(
+            {"type": type(exc).__name__, "message": str(exc)}))
+        raise

@@ -183,5 +183,5 @@ def test_gguf_file_config_from_its_metadata_cached_once(smollm2, monkeypatch):
             info.head_dim, info.vocab_size, info.eos_token_ids) == (
         "LlamaForCausalLM", 9, 3, 64, 49152, [2])
     assert str(model_source.gguf_cache_root()) in c.source.config_dir
-    monkeypatch.setattr(model_source, "_convert_gguf_metadata", None)  # cached: not called
+    monkeypatch.setattr(model_source, "_convert_in_child", None)  # cached: not called
     assert EngineConfig(smollm2, device="cpu").finalize().source == c.source
