@@ -145,12 +145,15 @@ _MISSED_KEYS = {"attention.key_length": "head_dim",
                 "expert_feed_forward_length": "moe_intermediate_size"}
 
 
+_CONVERSION_ERROR = ".conversion-error.json"  # the child's exception, for the parent
+
+
 def _convert_in_child(gguf_path: Path, out: Path) -> None:
     """_convert_gguf_metadata in a child process. transformers' GGUF config and tokenizer
     readers import transformers and torch: ~290 MiB that the first process to meet a file
     (a serving leader: 355 MiB instead of 63) would keep for its life. A ValueError in the
     child (an architecture nvllm does not read) is raised here as one."""
-    error = out / ".conversion-error.json"
+    error = out / _CONVERSION_ERROR
     r = subprocess.run([sys.executable, "-m", "nvllm.common.model_source", str(gguf_path),
                         str(out)], capture_output=True, text=True)
     if r.returncode == 0:
@@ -221,6 +224,6 @@ if __name__ == "__main__":  # _convert_in_child's child: GGUF_PATH OUT_DIR
     try:
         _convert_gguf_metadata(Path(sys.argv[1]), Path(sys.argv[2]))
     except Exception as exc:
-        (Path(sys.argv[2]) / ".conversion-error.json").write_text(json.dumps(
+        (Path(sys.argv[2]) / _CONVERSION_ERROR).write_text(json.dumps(
             {"type": type(exc).__name__, "message": str(exc)}))
         raise

@@ -182,7 +182,8 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
     http_options = {"max_body_bytes": http_max_body_bytes,
                     "trust_request_chat_template": http_trust_request_chat_template,
                     "allow_priority": http_allow_priority,
-                    "tool_call_parser": http_tool_call_parser}
+                    "tool_call_parser": http_tool_call_parser,
+                    "page_out_libraries": engine_kwargs["page_out_libraries"]}
     if data_parallel_size > 1:
         from nvllm.launch.data_parallel import DataParallelOptions, run_data_parallel
 
@@ -237,8 +238,7 @@ def launch(model: str | None, engine_kwargs: dict[str, Any], shutdown_timeout: f
                 page_out_libraries("leader")
             _serve(engine, host, port, served_model_name, curve_key_dir, max_frame_bytes,
                    http_host if http_port is not None else None, http_port, api_key,
-                   shutdown_timeout,
-                   {**http_options, "page_out_libraries": config.page_out_libraries})
+                   shutdown_timeout, http_options)
     finally:
         engine.shutdown()
 

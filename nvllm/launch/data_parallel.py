@@ -312,6 +312,7 @@ def _replica_main(spec: dict[str, Any]) -> None:
     looks, serve until SIGTERM."""
     index = spec["index"]
     from nvllm.common.config import EngineConfig
+    from nvllm.common.pageout import page_out_libraries
     from nvllm.common.proc import die_with_parent, set_process_title
     from nvllm.launch import engine_builder
     from nvllm.leader.server import EngineServer
@@ -329,6 +330,8 @@ def _replica_main(spec: dict[str, Any]) -> None:
                               max_frame_bytes=spec["max_frame_bytes"])
         try:
             _write_endpoint(spec["endpoint_file"], server.endpoint)
+            if engine.config.page_out_libraries:
+                page_out_libraries(f"replica {index}")
             server.serve(stop, spec["shutdown_timeout"])
         finally:
             server.close()
