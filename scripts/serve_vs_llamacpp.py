@@ -21,9 +21,11 @@ one token each on both servers.
 
 Prints, per round and as medians with ranges: output tok/s, median TTFT, TPOT and ITL,
 the ratio nvllm / llama.cpp, the RSS summed over each server's process tree (sampled once
-a second during the load; the last sample and the peak; the PSS beside it) and the weight
+a second during the load; the last sample and the peak; the PSS beside it), the weight
 bytes each side reports (nvllm's workers log ``nvllm/worker/quantize.py:weight_bytes``;
-llama.cpp logs its model buffer). ``scripts/serve_vs_llamacpp.sh`` builds llama.cpp and
+llama.cpp logs its model buffer) and who used the cores during the load (CPU seconds of
+the server's tree and of the client from the first request on: the client spends most of
+its CPU starting, before it sends one). ``scripts/serve_vs_llamacpp.sh`` builds llama.cpp and
 runs this; it holds ``/tmp/bench.lock`` while measuring.
 """
 
@@ -88,20 +90,67 @@ def tree_memory(pid: int) -> tuple[int, int]:
     return rss, pss
 
 
-class RssSampler(threading.Thread):
-    """Samples tree_memory(pid) every second until stopped: the last sample is the memory
-    at the end of the load, with the peak RSS beside it."""
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system
+    return total
+
+
+class LoadSampler(threading.Thread):
+    """Samples the server's process tree every second until stopped: its memory (the last
+    sample is the memory at the end of the load, with the peak RSS beside it) and the CPU
+    seconds of the server's tree and of the client's (``client_pid``, set once it runs).
+
+    The load window opens at the first second in which the server's tree used CPU
+    (``LOAD_CPU_S``: the first requests arrived; before that the client was still starting,
+    importing vLLM and making its prompts, which takes most of its CPU) and closes at the
+    last sample: what each side used inside it is what competed for the cores."""
+
+    LOAD_CPU_S = 0.1
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.last, self.last_pss, self.peak = pid, 0, 0, 0
+        self.client_pid: int | None = None
+        self.samples: list[tuple[float, float, float]] = []  # (t, server CPU, client CPU)
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(1.0):
-            rss, pss = tree_memory(self.pid)
-            if rss:
-                self.last, self.last_pss, self.peak = rss, pss, max(self.peak, rss)
+            self.sample()
+
+    def sample(self) -> None:
+        rss, pss = tree_memory(self.pid)
+        if rss:
+            self.last, self.last_pss, self.peak = rss, pss, max(self.peak, rss)
+        client = tree_cpu_s(self.client_pid) if self.client_pid is not None else 0.0
+        if self.samples:  # a client that has exited reads 0: keep what it had used
+            client = max(client, self.samples[-1][2])
+        self.samples.append((time.monotonic(), tree_cpu_s(self.pid), client))
+
+    def window(self) -> dict:
+        """Seconds of the load window and the CPU seconds each side used in it."""
+        s = self.samples
+        start = next((i for i in range(1, len(s))
+                      if s[i][1] - s[i - 1][1] >= self.LOAD_CPU_S), None)
+        if start is None:
+            return {"window_s": None, "server_cpu_s": None, "client_load_cpu_s": None}
+        a, b = s[start - 1], s[-1]
+        return {"window_s": b[0] - a[0], "server_cpu_s": b[1] - a[1],
+                "client_load_cpu_s": b[2] - a[2]}
 
 
 def weight_mib(engine: str, log_text: str, gguf: str) -> float | None:
@@ -154,18 +203,27 @@ def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
         try:
             wait_ready(port, proc, args.start_timeout)
             startup = time.monotonic() - t0
-            sampler = RssSampler(proc.pid)
+            sampler = LoadSampler(proc.pid)
+            sampler.sample()
             sampler.start()
             cpu0 = client_cpu_s()
-            r = subprocess.run(client_command(args, port, conc, out, f"{tag}.json"),
-                               env=peer_env(), text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, timeout=args.bench_timeout)
-            client_cpu = client_cpu_s() - cpu0
+            client = subprocess.Popen(client_command(args, port, conc, out, f"{tag}.json"),
+                                      env=peer_env(), text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT)
+            sampler.client_pid = client.pid
+            try:
+                client_out, _ = client.communicate(timeout=args.bench_timeout)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                client.communicate()
+                raise
             sampler.done.set()
             sampler.join()
-            if r.returncode != 0 or not (out / f"{tag}.json").exists():
-                sys.stderr.write(r.stdout[-6000:])
-                raise RuntimeError(f"vllm bench serve against {engine} failed ({r.returncode})")
+            client_cpu = client_cpu_s() - cpu0
+            if client.returncode != 0 or not (out / f"{tag}.json").exists():
+                sys.stderr.write(client_out[-6000:])
+                raise RuntimeError(f"vllm bench serve against {engine} failed "
+                                   f"({client.returncode})")
             res = json.loads((out / f"{tag}.json").read_text())
         finally:
             stop(proc)
@@ -179,7 +237,7 @@ def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
     return {"startup_s": startup,
             "output_tok_s": res["output_throughput"] * served / res["total_output_tokens"],
             "server_tokens": served, "failed": res.get("failed", 0),
-            "client_cpu_s": client_cpu, "duration_s": res["duration"],
+            "client_cpu_s": client_cpu, "duration_s": res["duration"], **sampler.window(),
             "output_tokens": res["total_output_tokens"], "rss_mib": sampler.last / 2**20,
             "peak_rss_mib": sampler.peak / 2**20, "pss_mib": sampler.last_pss / 2**20,
             "weight_mib": weight_mib(engine, log_text, args.gguf),
@@ -192,8 +250,17 @@ def describe(engine: str, x: dict) -> str:
             f"TPOT {x['median_tpot_ms']:.1f} ms, ITL {x['median_itl_ms']:.1f} ms, "
             f"RSS {x['rss_mib']:.0f} MiB (peak {x['peak_rss_mib']:.0f}, PSS "
             f"{x['pss_mib']:.0f}), weights {w} MiB, "
-            f"{x['server_tokens']} tokens ({x['output_tokens']} counted), client CPU "
-            f"{x['client_cpu_s']:.0f}/{x['duration_s']:.0f} s")
+            f"{x['server_tokens']} tokens ({x['output_tokens']} counted), "
+            f"{load_cpu(x)}")
+
+
+def load_cpu(x: dict) -> str:
+    """Who used the cores while the load ran: the server's tree and the client, CPU
+    seconds in the load window (and the client's whole run, its start-up included)."""
+    if x.get("window_s") is None:
+        return f"client CPU {x['client_cpu_s']:.0f} s (its start-up included)"
+    return (f"CPU in the {x['window_s']:.0f} s load: server {x['server_cpu_s']:.0f} s, "
+            f"client {x['client_load_cpu_s']:.1f} s (its whole run {x['client_cpu_s']:.0f} s)")
 
 
 def median_range(runs: list[dict], k: str) -> str:
@@ -211,7 +278,7 @@ def summarize(results: dict) -> None:
         print(f"  {key}: output tok/s ratio {statistics.median(ratio):.2f}x "
               f"({min(ratio):.2f}-{max(ratio):.2f})")
         for k in ("output_tok_s", *METRICS, "rss_mib", "peak_rss_mib", "pss_mib",
-                  "weight_mib"):
+                  "weight_mib", "server_cpu_s", "client_load_cpu_s", "window_s"):
             print(f"    {k}: {median_range(rows['nvllm'], k)} / "
                   f"{median_range(rows['llama.cpp'], k)}")
 

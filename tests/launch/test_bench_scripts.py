@@ -111,6 +111,22 @@ def test_serve_vs_llamacpp_sizes_both_servers_alike():
     assert peer.server_tokens("nvllm", timing) is None
 
 
+def test_serve_vs_llamacpp_counts_cpu_from_the_first_request():
+    """The load window opens at the first second the server's tree works: the client's
+    start-up CPU (before its first request) is not counted against the load, and a
+    client that has exited keeps the CPU it had used."""
+    peer = _script("serve_vs_llamacpp")
+    s = peer.LoadSampler(pid=0)
+    s.samples = [(0.0, 5.00, 0.0), (1.0, 5.01, 4.0), (2.0, 5.02, 9.0),  # client starting
+                 (3.0, 6.80, 9.1), (4.0, 8.70, 9.2), (5.0, 10.60, 9.4)]
+    w = s.window()
+    assert w["window_s"] == 3.0
+    assert abs(w["server_cpu_s"] - 5.58) < 1e-9 and abs(w["client_load_cpu_s"] - 0.4) < 1e-9
+    assert peer.LoadSampler(pid=0).window()["window_s"] is None  # never loaded
+    line = peer.load_cpu({"client_cpu_s": 12.0, **w})
+    assert "server 6 s" in line and "client 0.4 s" in line and "whole run 12 s" in line
+
+
 def test_llamacpp_build_options_follow_the_cpu_flags():
     """Each ggml extension is on exactly when /proc/cpuinfo lists it; AMX only when asked;
     a different set of options is a different cache folder."""
