@@ -217,8 +217,9 @@ def one_run(engine: str, args, conc: int, out: pathlib.Path) -> dict:
                 client.kill()
                 client.communicate()
                 raise
-            sampler.done.set()
-            sampler.join()
+            finally:
+                sampler.done.set()
+                sampler.join()
             client_cpu = client_cpu_s() - cpu0
             if client.returncode != 0 or not (out / f"{tag}.json").exists():
                 sys.stderr.write(client_out[-6000:])
