@@ -69,44 +69,27 @@ def server_command(engine: str, args, port: int) -> list[str]:
             str(args.parallel), "-t", str(args.threads), "--cache-ram", "0", "--seed", "0"]
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """Bytes of (RSS, PSS) summed over a process and all its descendants. RSS counts the
-    pages of a shared library once per process that maps it (torch in each of nvllm's
-    processes); PSS splits shared pages between their processes."""
+def tree_usage(pid: int) -> tuple[int, int, float]:
+    """(RSS bytes, PSS bytes, CPU seconds) summed over a process and its live
+    descendants, in one walk of the tree. RSS counts the pages of a shared library once per
+    process that maps it (torch in each of nvllm's processes); PSS splits shared pages
+    between their processes; CPU is user + system."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0
+        return 0, 0, 0.0
     rss = pss = 0
+    cpu = 0.0
     for p in procs:
         try:
-            m = p.memory_full_info()
+            m, t = p.memory_full_info(), p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        rss, pss = rss + m.rss, pss + getattr(m, "pss", 0)
-    return rss, pss
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its live descendants."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        total += t.user + t.system
-    return total
+        rss, pss, cpu = rss + m.rss, pss + getattr(m, "pss", 0), cpu + t.user + t.system
+    return rss, pss, cpu
 
 
 class LoadSampler(threading.Thread):
@@ -133,13 +116,13 @@ class LoadSampler(threading.Thread):
             self.sample()
 
     def sample(self) -> None:
-        rss, pss = tree_memory(self.pid)
+        rss, pss, cpu = tree_usage(self.pid)
         if rss:
             self.last, self.last_pss, self.peak = rss, pss, max(self.peak, rss)
-        client = tree_cpu_s(self.client_pid) if self.client_pid is not None else 0.0
+        client = tree_usage(self.client_pid)[2] if self.client_pid is not None else 0.0
         if self.samples:  # a client that has exited reads 0: keep what it had used
             client = max(client, self.samples[-1][2])
-        self.samples.append((time.monotonic(), tree_cpu_s(self.pid), client))
+        self.samples.append((time.monotonic(), cpu, client))
 
     def window(self) -> dict:
         """Seconds of the load window and the CPU seconds each side used in it."""
