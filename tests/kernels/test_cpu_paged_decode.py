@@ -59,13 +59,21 @@ def _split(qkv, heads, kv_heads, d):
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (9, 3, 64), (4, 1, 128), (6, 2, 80)])
 @pytest.mark.parametrize("bs", [4, 16])
 @pytest.mark.parametrize("window", [0, 3])
-def test_paged_mode_equals_the_copies_and_sdpa(dtype, heads, kv_heads, d, bs, window):
+# The six sequences at 1 thread: one task per sequence, all its KV heads (its slots read
+# whole); at 4 threads, too few sequences to share: one task per (sequence, KV head).
+@pytest.mark.parametrize("threads", [1, 4], ids=["seq-tasks", "head-tasks"])
+def test_paged_mode_equals_the_copies_and_sdpa(dtype, heads, kv_heads, d, bs, window, threads):
     c = _case(dtype, heads, kv_heads, d, bs)
     q, k, v = _split(c["qkv"], heads, kv_heads, d)
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     out = torch.full_like(q, 7.0)
-    cpu_ops.paged_decode_attention(out, q, k, v, kc, vc, c["slots"], c["rows"], c["tables"],
-                                   c["lens"], 0.3, window, c["qlens"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_ops.paged_decode_attention(out, q, k, v, kc, vc, c["slots"], c["rows"], c["tables"],
+                                       c["lens"], 0.3, window, c["qlens"])
+    finally:
+        torch.set_num_threads(before)
     flat_k, flat_v = kc.view(-1, kv_heads, d), vc.view(-1, kv_heads, d)
     tok = torch.cat([torch.arange(r, r + n) for r, n in zip(c["rows"], c["qlens"])])
     assert torch.equal(flat_k[c["slots"]], k[tok]) and torch.equal(flat_v[c["slots"]], v[tok])

@@ -14,9 +14,10 @@
 // keys and values from the paged cache through its block table instead, with the same
 // arithmetic in the same order, so the same bits.
 //
-// One task per (sequence, KV head): it first appends this step's keys and values to the
-// sequence's buffer, then the query heads of that group read each key and value once per
-// query (attend_kernels.h). Scores and sums are float32 whatever the storage type (float32 or bfloat16);
+// One task per (sequence, KV head), or in paged mode with a few sequences per thread one per
+// sequence (all its KV heads: each cache slot holds their rows side by side, read whole):
+// a task first appends this step's keys and values, then the query heads of each group read
+// each key and value once per query (attend_kernels.h). Scores and sums are float32 whatever the storage type (float32 or bfloat16);
 // softmax is the two-pass max / exp / sum form.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -76,6 +77,10 @@ inline void rope_row(T* o, const T* x, const float* c, const float* s, int64_t d
 // a whole time slice for it (1 sequence at context 128: ~0.15 M).
 constexpr int64_t kSerialWork = 1 << 20;
 
+// Sequences per thread from which a paged call runs one task per sequence (every KV head)
+// rather than one per (sequence, KV head): fewer tasks than that leave threads idle.
+constexpr int64_t kSequenceTasksPerThread = 2;
+
 struct Rope {  // positions of the step's tokens and the [max_pos, d] float32 tables
   const int64_t* pos = nullptr;
   const float* cos = nullptr;
@@ -96,20 +101,27 @@ struct Queries {  // each sequence's new tokens: rows[b] .. rows[b] + qlens[b] -
   int64_t slot0(int64_t b) const { return first != nullptr ? first[b] : b; }
 };
 
-// Sequence b's work for KV head h: store its new keys and values (rotated first when
-// rope.pos is set) in its buffer (paged mode: none) and the paged cache, then attend each
-// query over its causal prefix, read from the buffer or through the block table. Each query is one call of the one-query routine, so query j of a
-// verify run computes exactly what decoding that token alone would.
+// KV head h's keys (kv = 0) or values (kv = 1) of sequence b: its contiguous copy, or the
+// paged cache's slots through its block table (the next head's row D elements on).
+template <typename KT>
+KVRows<KT> head_rows(int64_t b, int64_t h, KT* cache, int64_t kv_heads, int64_t d,
+                     const int64_t* base, const int64_t* cap, int64_t layer, int kv,
+                     const Paging& paging) {
+  if (paging.tables != nullptr)
+    return KVRows<KT>{cache + h * d, kv_heads * d, 0, paging.tables + b * paging.stride,
+                      paging.shift};
+  KT* buf = reinterpret_cast<KT*>(base[b]);
+  return KVRows<KT>{buf + ((layer * 2 + kv) * kv_heads + h) * cap[b] * d, d};
+}
+
+// Sequence b's new keys and values for KV head h (rotated first when rope.pos is set):
+// into its contiguous copy (paged mode: none) and the paged cache.
 template <typename T, typename KT>
-void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0,
-              int64_t qs1, const T* kp, int64_t ks0, int64_t ks1, const T* vp, int64_t vs0,
-              int64_t vs1, int64_t kv_heads, int64_t group, int64_t d, KT* kc, KT* vc,
-              const int64_t* slot, const Queries& qs, const int64_t* base, const int64_t* cap,
-              const int64_t* len, int64_t layer, float scale, int64_t window, Rope rope,
-              const Paging& paging, std::vector<float>& scores) {
+void store_new(int64_t b, int64_t h, const T* kp, int64_t ks0, int64_t ks1, const T* vp,
+               int64_t vs0, int64_t vs1, int64_t kv_heads, int64_t d, KT* kc, KT* vc,
+               const int64_t* slot, const Queries& qs, const int64_t* base, const int64_t* cap,
+               const int64_t* len, int64_t layer, Rope rope, bool paged) {
   T k_rot[kMaxHeadDim];
-  T q_rot[kMaxGroup * kMaxHeadDim];
-  const bool paged = paging.tables != nullptr;
   KT* buf = paged ? nullptr : reinterpret_cast<KT*>(base[b]);
   KT* k = paged ? nullptr : buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
   KT* v = paged ? nullptr : buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
@@ -131,38 +143,59 @@ void run_task(int64_t b, int64_t h, T* op, int64_t os0, int64_t os1, const T* qp
       append(vc + (sl * kv_heads + h) * d, vb, d);
     }
   }
+}
+
+// Sequence b's work for KV heads h0 .. h0 + nh - 1 (nh > 1 in paged mode only): store
+// their new keys and values (store_new), then attend each query over its causal prefix,
+// read from the buffer or through the block table. Each query is one call of the
+// one-query routine, so query j of a verify run computes exactly what decoding that token
+// alone would.
+template <typename T, typename KT>
+void run_task(int64_t b, int64_t h0, int64_t nh, T* op, int64_t os0, int64_t os1, const T* qp,
+              int64_t qs0, int64_t qs1, const T* kp, int64_t ks0, int64_t ks1, const T* vp,
+              int64_t vs0, int64_t vs1, int64_t kv_heads, int64_t group, int64_t d, KT* kc,
+              KT* vc, const int64_t* slot, const Queries& qs, const int64_t* base,
+              const int64_t* cap, const int64_t* len, int64_t layer, float scale,
+              int64_t window, Rope rope, const Paging& paging, std::vector<float>& scores,
+              std::vector<T>& q_rot) {
+  const bool paged = paging.tables != nullptr;
+  for (int64_t h = h0; h < h0 + nh; ++h)
+    store_new(b, h, kp, ks0, ks1, vp, vs0, vs1, kv_heads, d, kc, vc, slot, qs, base, cap, len,
+              layer, rope, paged);
 #ifdef NVLLM_ATTN_FIXED
   const AttendFn<T, KT> fixed = fixed_kernel<T, KT>(group, d);
 #endif
-  KVRows<KT> kr{k, d}, vr{v, d};
-  if (paged) {
-    const int32_t* table = paging.tables + b * paging.stride;
-    kr = KVRows<KT>{kc + h * d, kv_heads * d, 0, table, paging.shift};
-    vr = KVRows<KT>{vc + h * d, kv_heads * d, 0, table, paging.shift};
-  }
+  const int64_t nq = qs.len(b);
+  q_rot.resize(static_cast<size_t>(nh * group * d));
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t r = qs.row[b] + j;
-    const T* qh = qp + r * qs0 + h * group * qs1;
+    const T* qh = qp + r * qs0 + h0 * group * qs1;
     int64_t q_stride = qs1;
     if (rope.pos != nullptr) {
       const float* c = rope.cos + rope.pos[r] * d;
       const float* s = rope.sin + rope.pos[r] * d;
-      for (int64_t g = 0; g < group; ++g) rope_row<T>(q_rot + g * d, qh + g * qs1, c, s, d);
-      qh = q_rot;
+      for (int64_t g = 0; g < nh * group; ++g)
+        rope_row<T>(q_rot.data() + g * d, qh + g * qs1, c, s, d);
+      qh = q_rot.data();
       q_stride = d;
     }
-    T* oh = op + r * os0 + h * group * os1;
+    T* oh = op + r * os0 + h0 * group * os1;
     // Query j sees keys 0 .. past + j; a sliding window only moves the first of them.
-    const int64_t seen = past + j + 1;
+    const int64_t seen = len[b] - nq + j + 1;
     const int64_t first = window > 0 && seen > window ? seen - window : 0;
-    kr.first = vr.first = first;
+    for (int64_t i = 0; i < nh; ++i) {
+      KVRows<KT> kr = head_rows(b, h0 + i, kc, kv_heads, d, base, cap, layer, 0, paging);
+      KVRows<KT> vr = head_rows(b, h0 + i, vc, kv_heads, d, base, cap, layer, 1, paging);
+      kr.first = vr.first = first;
 #ifdef NVLLM_ATTN_FIXED
-    if (fixed != nullptr) {
-      fixed(qh, q_stride, kr, vr, seen - first, scale, oh, os1, scores);
-      continue;
-    }
+      if (fixed != nullptr) {  // every head of the task in one call (their slots read whole)
+        fixed(qh, q_stride, kr, vr, seen - first, scale, oh, os1, scores, nh);
+        break;
+      }
 #endif
-    attend_one<T, KT>(qh, q_stride, kr, vr, seen - first, group, d, scale, oh, os1, scores);
+      attend_one<T, KT>(qh + i * group * q_stride, q_stride, kr, vr, seen - first, group, d,
+                        scale, oh + i * group * os1, os1, scores);
+    }
   }
 }
 
@@ -178,19 +211,28 @@ void run(T* op, int64_t os0, int64_t os1, const T* qp, int64_t qs0, int64_t qs1,
   const int64_t* len = lens.data_ptr<int64_t>();
   int64_t keys = 0;  // keys read, over every query
   for (int64_t b = 0; b < n; ++b) keys += qs.len(b) * len[b];
+  // Paged, with enough sequences to share among the threads: one task per sequence, all
+  // its KV heads (the fixed kernels read each slot whole); else one per (sequence, KV head).
+  const int64_t nh =
+      paging.tables != nullptr && n >= kSequenceTasksPerThread * at::get_num_threads()
+          ? kv_heads
+          : 1;
+  const int64_t per_seq = kv_heads / nh, tasks = n * per_seq;
   auto task = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<T> q_rot;
     for (int64_t t = begin; t < end; ++t)
-      run_task<T, KT>(t / kv_heads, t % kv_heads, op, os0, os1, qp, qs0, qs1, kp, ks0, ks1,
-                      vp, vs0, vs1, kv_heads, group, d, reinterpret_cast<KT*>(k_cache.data_ptr()),
+      run_task<T, KT>(t / per_seq, t % per_seq * nh, nh, op, os0, os1, qp, qs0, qs1, kp, ks0,
+                      ks1, vp, vs0, vs1, kv_heads, group, d,
+                      reinterpret_cast<KT*>(k_cache.data_ptr()),
                       reinterpret_cast<KT*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(), qs,
-                  bases.data_ptr<int64_t>(), caps.data_ptr<int64_t>(), len, layer,
-                  static_cast<float>(scale), window, rope, paging, scores);
+                      bases.data_ptr<int64_t>(), caps.data_ptr<int64_t>(), len, layer,
+                      static_cast<float>(scale), window, rope, paging, scores, q_rot);
   };
   if (2 * keys * heads * d < kSerialWork)
-    task(0, n * kv_heads);
+    task(0, tasks);
   else
-    at::parallel_for(0, n * kv_heads, 1, task);
+    at::parallel_for(0, tasks, 1, task);
 }
 
 template <typename T>
