@@ -21,7 +21,8 @@ one token each on both servers.
 
 Prints, per round and as medians with ranges: output tok/s, median TTFT, TPOT and ITL,
 the ratio nvllm / llama.cpp, the RSS summed over each server's process tree (sampled once
-a second during the load; the last sample and the peak; the PSS beside it), the weight
+a second during the load; the last sample and the peak; the PSS, sampled every fifth
+second, beside it), the weight
 bytes each side reports (nvllm's workers log ``nvllm/worker/quantize.py:weight_bytes``;
 llama.cpp logs its model buffer) and who used the cores during the load (CPU seconds of
 the server's tree and of the client from the first request on: the client spends most of
@@ -69,11 +70,13 @@ def server_command(engine: str, args, port: int) -> list[str]:
             str(args.parallel), "-t", str(args.threads), "--cache-ram", "0", "--seed", "0"]
 
 
-def tree_usage(pid: int) -> tuple[int, int, float]:
+def tree_usage(pid: int, pss: bool = True) -> tuple[int, int, float]:
     """(RSS bytes, PSS bytes, CPU seconds) summed over a process and its live
     descendants, in one walk of the tree. RSS counts the pages of a shared library once per
     process that maps it (torch in each of nvllm's processes); PSS splits shared pages
-    between their processes; CPU is user + system."""
+    between their processes; CPU is user + system. PSS makes the kernel walk every mapped
+    page (~19 ms of CPU for nvllm's tree, ~1% of a core at one sample a second, taken from
+    the server it measures): with `pss` False it is 0 and the walk reads only counters."""
     import psutil
 
     try:
@@ -81,20 +84,23 @@ def tree_usage(pid: int) -> tuple[int, int, float]:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0, 0, 0.0
-    rss = pss = 0
+    rss = pss_sum = 0
     cpu = 0.0
     for p in procs:
         try:
-            m, t = p.memory_full_info(), p.cpu_times()
+            m = p.memory_full_info() if pss else p.memory_info()
+            t = p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        rss, pss, cpu = rss + m.rss, pss + getattr(m, "pss", 0), cpu + t.user + t.system
-    return rss, pss, cpu
+        rss, cpu = rss + m.rss, cpu + t.user + t.system
+        pss_sum += getattr(m, "pss", 0)
+    return rss, pss_sum, cpu
 
 
 class LoadSampler(threading.Thread):
     """Samples the server's process tree every second until stopped: its memory (the last
-    sample is the memory at the end of the load, with the peak RSS beside it) and the CPU
+    sample is the memory at the end of the load, with the peak RSS beside it; PSS every
+    ``PSS_EVERY`` samples, the first one included) and the CPU
     seconds of the server's tree and of the client's (``client_pid``, set once it runs).
 
     The load window opens at the first second in which the server's tree used CPU
@@ -103,6 +109,7 @@ class LoadSampler(threading.Thread):
     last sample: what each side used inside it is what competed for the cores."""
 
     LOAD_CPU_S = 0.1
+    PSS_EVERY = 5  # samples between PSS readings (tree_usage says what one costs)
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
@@ -116,10 +123,14 @@ class LoadSampler(threading.Thread):
             self.sample()
 
     def sample(self) -> None:
-        rss, pss, cpu = tree_usage(self.pid)
+        with_pss = len(self.samples) % self.PSS_EVERY == 0
+        rss, pss, cpu = tree_usage(self.pid, pss=with_pss)
         if rss:
-            self.last, self.last_pss, self.peak = rss, pss, max(self.peak, rss)
-        client = tree_usage(self.client_pid)[2] if self.client_pid is not None else 0.0
+            self.last, self.peak = rss, max(self.peak, rss)
+            if with_pss:
+                self.last_pss = pss
+        client = (tree_usage(self.client_pid, pss=False)[2] if self.client_pid is not None
+                  else 0.0)
         if self.samples:  # a client that has exited reads 0: keep what it had used
             client = max(client, self.samples[-1][2])
         self.samples.append((time.monotonic(), cpu, client))

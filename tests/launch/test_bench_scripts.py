@@ -127,6 +127,30 @@ def test_serve_vs_llamacpp_counts_cpu_from_the_first_request():
     assert "server 6 s" in line and "client 0.4 s" in line and "whole run 12 s" in line
 
 
+def test_serve_vs_llamacpp_reads_pss_every_fifth_sample_and_no_client_memory(monkeypatch):
+    """PSS costs the kernel a walk of every mapped page (tens of ms of CPU per tree, taken
+    from the server under test): the sampler reads it every PSS_EVERY samples, RSS and CPU
+    every sample, and only CPU for the client."""
+    peer = _script("serve_vs_llamacpp")
+    calls = []
+
+    def fake(pid, pss=True):
+        calls.append((pid, pss))
+        return (100 + len(calls), 7 * len(calls) if pss else 0, float(len(calls)))
+
+    monkeypatch.setattr(peer, "tree_usage", fake)
+    s = peer.LoadSampler(pid=1)
+    s.client_pid = 2
+    for _ in range(2 * s.PSS_EVERY + 1):
+        s.sample()
+    server = [pss for pid, pss in calls if pid == 1]
+    assert server == [i % s.PSS_EVERY == 0 for i in range(2 * s.PSS_EVERY + 1)]
+    assert all(pss is False for pid, pss in calls if pid == 2)
+    assert s.last == 100 + len(calls) - 1  # RSS from the last sample
+    last_pss_call = max(i for i, (pid, pss) in enumerate(calls, 1) if pid == 1 and pss)
+    assert s.last_pss == 7 * last_pss_call  # PSS from the last sample that read it
+
+
 def test_llamacpp_build_options_follow_the_cpu_flags():
     """Each ggml extension is on exactly when /proc/cpuinfo lists it; AMX only when asked;
     a different set of options is a different cache folder."""
