@@ -23,7 +23,24 @@ fi
 # runs without them (slower) where no compiler is found. Built only when that library is
 # missing: the build step itself recompiles everything in a checkout at a new path (a CI
 # clone), some 100 s of CPU, for the very same library.
-if ! python -c "import sys; from nvllm.kernels import cpu_ops
-sys.exit(not cpu_ops.library_path().exists())"; then
-    python -m nvllm.kernels.cpu_ops || echo "nvllm: running without the native CPU ops"
+# NVLLM_BUILD_ISA_VARIANT=1 (the test command sets it) also builds the next narrower vector
+# path that tests/kernels/test_cpu_isa_variants.py tests, beside the native build: each is
+# one compiler process, so on 2 cores the two take the time of one.
+built() {  # the CPU ops built for NVLLM_CPU_ISA=$1 exist
+    NVLLM_CPU_ISA="$1" python -c "import sys; from nvllm.kernels import cpu_ops
+sys.exit(not cpu_ops.library_path().exists())"
+}
+builds=()
+if ! built native; then
+    (python -m nvllm.kernels.cpu_ops || echo "nvllm: running without the native CPU ops") &
+    builds+=($!)
 fi
+if [ -n "${NVLLM_BUILD_ISA_VARIANT:-}" ]; then
+    isa=$(python -c "from nvllm.kernels import cpu_ops; print(cpu_ops.narrower_isa())")
+    if ! built "$isa"; then
+        (NVLLM_CPU_ISA="$isa" python -m nvllm.kernels.cpu_ops >/dev/null ||
+            echo "nvllm: the $isa build of the CPU ops failed (its test says why)") &
+        builds+=($!)
+    fi
+fi
+for pid in ${builds[@]+"${builds[@]}"}; do wait "$pid"; done

@@ -4,8 +4,9 @@
 # module at a time (--dist loadscope) so a module's shared engine or server starts once,
 # the long modules first (tests/conftest.py orders them). Much of an end-to-end test is
 # waiting (process start-up, polls), so two run side by side in well under the time of one
-# after the other, even on 2 cores.
+# after the other, even on 2 cores. The install also builds the narrower-ISA CPU ops the
+# suite tests, beside the native ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+NVLLM_BUILD_ISA_VARIANT=1 bash scripts/install.sh
 exec python -m pytest -n "${NVLLM_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

@@ -68,6 +68,14 @@ def cflags() -> list[str]:
     return CFLAGS + ISA_FLAGS[isa]
 
 
+def narrower_isa() -> str:
+    """The vector path one narrower than this CPU's best that ``NVLLM_CPU_ISA`` can build,
+    so that one machine tests two of the three: "avx2" where the CPU has AVX-512, else
+    "portable"."""
+    flags = _cpu_flags().split()
+    return "avx2" if "avx512f" in flags and "avx2" in flags else "portable"
+
+
 def _cpu_flags() -> str:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
