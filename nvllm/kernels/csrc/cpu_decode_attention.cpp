@@ -14,11 +14,12 @@
 // keys and values from the paged cache through its block table instead, with the same
 // arithmetic in the same order, so the same bits.
 //
-// One task per (sequence, KV head), or in paged mode with a few sequences per thread one per
-// sequence (all its KV heads: each cache slot holds their rows side by side, read whole):
-// a task first appends this step's keys and values, then the query heads of each group read
-// each key and value once per query (attend_kernels.h). Scores and sums are float32 whatever the storage type (float32 or bfloat16);
-// softmax is the two-pass max / exp / sum form.
+// One task per (sequence, KV head), or in paged mode with a few sequences per thread one
+// per sequence (all its KV heads: each cache slot holds their rows side by side, read
+// whole): a task first appends this step's keys and values, then the query heads of each
+// group read each key and value once per query (attend_kernels.h). Scores and sums are
+// float32 whatever the storage type (float32 or bfloat16); softmax is the two-pass
+// max / exp / sum form.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -101,6 +102,14 @@ struct Queries {  // each sequence's new tokens: rows[b] .. rows[b] + qlens[b] -
   int64_t slot0(int64_t b) const { return first != nullptr ? first[b] : b; }
 };
 
+// The first row of KV head h's keys (kv = 0) or values (kv = 1) in sequence b's contiguous
+// copy ([layers, 2, kv_heads, cap, d] at base[b]).
+template <typename KT>
+KT* copy_rows(int64_t b, int64_t h, int kv, int64_t kv_heads, int64_t d, const int64_t* base,
+              const int64_t* cap, int64_t layer) {
+  return reinterpret_cast<KT*>(base[b]) + ((layer * 2 + kv) * kv_heads + h) * cap[b] * d;
+}
+
 // KV head h's keys (kv = 0) or values (kv = 1) of sequence b: its contiguous copy, or the
 // paged cache's slots through its block table (the next head's row D elements on).
 template <typename KT>
@@ -110,8 +119,7 @@ KVRows<KT> head_rows(int64_t b, int64_t h, KT* cache, int64_t kv_heads, int64_t 
   if (paging.tables != nullptr)
     return KVRows<KT>{cache + h * d, kv_heads * d, 0, paging.tables + b * paging.stride,
                       paging.shift};
-  KT* buf = reinterpret_cast<KT*>(base[b]);
-  return KVRows<KT>{buf + ((layer * 2 + kv) * kv_heads + h) * cap[b] * d, d};
+  return KVRows<KT>{copy_rows<KT>(b, h, kv, kv_heads, d, base, cap, layer), d};
 }
 
 // Sequence b's new keys and values for KV head h (rotated first when rope.pos is set):
@@ -122,9 +130,8 @@ void store_new(int64_t b, int64_t h, const T* kp, int64_t ks0, int64_t ks1, cons
                const int64_t* slot, const Queries& qs, const int64_t* base, const int64_t* cap,
                const int64_t* len, int64_t layer, Rope rope, bool paged) {
   T k_rot[kMaxHeadDim];
-  KT* buf = paged ? nullptr : reinterpret_cast<KT*>(base[b]);
-  KT* k = paged ? nullptr : buf + ((layer * 2 + 0) * kv_heads + h) * cap[b] * d;
-  KT* v = paged ? nullptr : buf + ((layer * 2 + 1) * kv_heads + h) * cap[b] * d;
+  KT* k = paged ? nullptr : copy_rows<KT>(b, h, 0, kv_heads, d, base, cap, layer);
+  KT* v = paged ? nullptr : copy_rows<KT>(b, h, 1, kv_heads, d, base, cap, layer);
   const int64_t nq = qs.len(b), past = len[b] - nq;
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t r = qs.row[b] + j, sl = slot[qs.slot0(b) + j];

@@ -47,6 +47,9 @@ namespace {
 
 using nvllm_cpu::kQuantGroup;
 using nvllm_cpu::kQuantMaxRows;
+#if defined(__AVX2__)
+using nvllm_cpu::prefetch_columns;
+#endif
 
 using nvllm_cpu::scale_to_float;
 
@@ -200,20 +203,6 @@ inline void columns_a16(const QuantX16& xq, int64_t r0, const uint8_t* q, int64_
 // the LM head (28 MiB of int8) at ~9 GB/s on one core.
 constexpr int64_t kPrefetchCols = 8;
 
-template <int BITS, bool MIN, typename MT>
-inline void prefetch_columns(int64_t n, int64_t cols, const uint8_t* qw, int64_t qrow,
-                             const c10::Half* s, const MT* m, int64_t G) {
-  if (cols <= 0) return;
-  const char* q0 = reinterpret_cast<const char*>(qw + n * qrow);
-  for (int64_t b = 0; b < cols * qrow; b += 64) _mm_prefetch(q0 + b, _MM_HINT_T0);
-  const char* s0 = reinterpret_cast<const char*>(s + n * G);
-  for (int64_t b = 0; b < cols * G * 2; b += 64) _mm_prefetch(s0 + b, _MM_HINT_T0);
-  if constexpr (MIN) {
-    const char* m0 = reinterpret_cast<const char*>(m + n * G);
-    for (int64_t b = 0; b < cols * G * static_cast<int64_t>(sizeof(MT)); b += 64)
-      _mm_prefetch(m0 + b, _MM_HINT_T0);
-  }
-}
 #else
 // The stored integer of weight value j of a group (what multiplies d).
 template <int BITS>

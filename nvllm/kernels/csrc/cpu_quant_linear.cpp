@@ -37,6 +37,9 @@ namespace {
 
 using nvllm_cpu::kQuantGroup;
 using nvllm_cpu::kQuantMaxRows;
+#if defined(NVLLM_QUANT_AVX2)
+using nvllm_cpu::prefetch_columns;
+#endif
 
 using nvllm_cpu::scale_to_float;
 
@@ -302,12 +305,6 @@ constexpr int64_t kBufferedMinRows = 5;
 // level with or faster than dequantized tiles and torch.mm, without the tiles' memory.
 constexpr int64_t kBufferedChunkRows = 128;
 
-// Fetch [p, p + n) towards L1, one request per cache line.
-inline void prefetch_bytes(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < n; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
 template <int C, int RB, typename T>
 inline void buffered_block(const float* buf, int64_t K, const float* x, T* out, int64_t N) {
   __m256 acc[C][RB];
@@ -356,11 +353,10 @@ void rows_buffered(T* out, const float* x, int64_t M, int64_t K, int64_t N, cons
       }
       // The next block's weights stream from memory while this one's products run (the
       // hardware prefetcher, seeing no reads of W during them, fetches too late).
-      if (blk + 1 < end) {
-        prefetch_bytes(qw + (n0 + kBufCols) * qrow, kBufCols * qrow);
-        prefetch_bytes(scales + (n0 + kBufCols) * G, kBufCols * G * sizeof(c10::Half));
-        if (MIN) prefetch_bytes(mins + (n0 + kBufCols) * G, kBufCols * G * sizeof(MT));
-      }
+      if (blk + 1 < end)
+        prefetch_columns<BITS, MIN, MT>(n0 + kBufCols,
+                                        std::min<int64_t>(kBufCols, N - n0 - kBufCols), qw,
+                                        qrow, scales, mins, G);
       T* o = out + n0;
       switch (cols) {
         case 3: buffered_rows<3, T>(buf.data(), K, x, M, o, N); break;

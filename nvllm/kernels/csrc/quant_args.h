@@ -29,6 +29,27 @@ inline float scale_to_float(const c10::Half h) {
 #endif
 }
 inline float scale_to_float(const float v) { return v; }
+
+#if defined(__AVX2__)
+// Columns n .. n + cols - 1 of a grouped weight (their values, scales and mins) fetched
+// towards L1 ahead of their use: at decode every weight comes from memory once per step,
+// and the hardware prefetcher fetches late where a kernel reads W in bursts between long
+// runs of arithmetic.
+template <int BITS, bool MIN, typename MT>
+inline void prefetch_columns(int64_t n, int64_t cols, const uint8_t* qw, int64_t qrow,
+                             const c10::Half* s, const MT* m, int64_t G) {
+  if (cols <= 0) return;
+  const char* q0 = reinterpret_cast<const char*>(qw + n * qrow);
+  for (int64_t b = 0; b < cols * qrow; b += 64) _mm_prefetch(q0 + b, _MM_HINT_T0);
+  const char* s0 = reinterpret_cast<const char*>(s + n * G);
+  for (int64_t b = 0; b < cols * G * 2; b += 64) _mm_prefetch(s0 + b, _MM_HINT_T0);
+  if constexpr (MIN) {
+    const char* m0 = reinterpret_cast<const char*>(m + n * G);
+    for (int64_t b = 0; b < cols * G * static_cast<int64_t>(sizeof(MT)); b += 64)
+      _mm_prefetch(m0 + b, _MM_HINT_T0);
+  }
+}
+#endif
 constexpr int64_t kQuantMaxRows = 8;  // rows of x per pass over the weight
 
 // qweight, scales and mins hold an [N, K] weight in `bits`.
