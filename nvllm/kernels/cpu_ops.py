@@ -9,8 +9,10 @@ mul, rotary) each replace several torch ops and their temporaries with one pass.
 values (nvllm/worker/layers/quant.py) without dequantizing them to memory;
 ``csrc/cpu_quant_vnni.cpp`` does the same with the activations quantized to int8 per
 block of 32 and integer dot products (AVX-512 VNNI, or AVX2's vpmaddubsw), as llama.cpp's
-Q8 path does. Each op holds an AVX-512 path, an AVX2 + FMA one (AMD Zen 1-3, most client
-CPUs) and portable loops; ``NVLLM_CPU_ISA`` builds a narrower one to test it. The
+Q8 path does; ``csrc/cpu_quant_amx.cpp`` with Intel AMX's bfloat16 tiles (built only
+where the compiler targets AMX). The other ops each hold an AVX-512 path, an AVX2 + FMA
+one (AMD Zen 1-3, most client CPUs) and portable loops; ``NVLLM_CPU_ISA`` builds a
+narrower one to test it. The
 ``"cpu"`` backend of ``ops`` runs them; ``ops.resolve_backend`` picks it on CPU when
 ``load()`` succeeds.
 
@@ -41,7 +43,8 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_layer_ops.cpp",
            CSRC / "cpu_token_bitmask.cpp", CSRC / "cpu_argmax.cpp",
            CSRC / "cpu_quant_linear.cpp", CSRC / "cpu_quant_vnni.cpp",
-           CSRC / "cpu_quant_a16.cpp", CSRC / "cpu_decode_stack.cpp"]
+           CSRC / "cpu_quant_a16.cpp", CSRC / "cpu_quant_amx.cpp",
+           CSRC / "cpu_decode_stack.cpp"]
 # What is compiled: SOURCES as one translation unit (it says why).
 UNITY = CSRC / "all_ops.cpp"
 # part of the build's key, not compiled on their own
@@ -283,6 +286,24 @@ def quant_linear_a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
     torch.ops.nvllm_cpu.quant_linear_a16(out, x.contiguous(), qweight, scales, mins, bits)
     return out
+
+
+def quant_linear_amx(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """quant_linear on Intel AMX (csrc/cpu_quant_amx.cpp): float32 x split into two
+    bfloat16s (16 of its 24 significant bits kept: at most 2^-17 of each value off),
+    bfloat16 x as it is, times the weights' integers exact in bfloat16, each group's scale
+    (and min) applied in float32. Only where quant_amx_usable()."""
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    torch.ops.nvllm_cpu.quant_linear_amx(out, x.contiguous(), qweight, scales, mins, bits)
+    return out
+
+
+def quant_amx_usable() -> bool:
+    """Whether quant_linear_amx was built (a compiler targeting AMX-TILE, AMX-BF16 and
+    AVX512-BF16 on Linux: -march=native on such a CPU) and the kernel lets this process use
+    the tile registers."""
+    return bool(torch.ops.nvllm_cpu.quant_amx_usable())
 
 
 def quant_linear_buffered() -> bool:

@@ -45,8 +45,9 @@ def test_a16_is_far_finer_than_int8():
 
 def test_dispatch_rule_default_and_off(monkeypatch):
     """auto (the default): up to A16_MAX_ROWS rows matmul is the a16 op's result exactly
-    where its AVX2 loop is built, else (and beyond) the float op's; off: always the float
-    op; int16-always: the a16 op at every row count."""
+    where its AVX2 loop is built, else (and beyond, below the AMX op's rows) the float
+    op's; off: always the float op; int16-always: the a16 op at every row count. auto
+    stays auto where the a16 loop or the AMX op is built, else it is off."""
     gen = torch.Generator().manual_seed(1)
     qw = weight(INT4_MIN, 24, 96, gen)
     limit = quant.A16_MAX_ROWS[4]
@@ -62,8 +63,8 @@ def test_dispatch_rule_default_and_off(monkeypatch):
             op = cpu_ops.quant_linear_a16 if a16 else cpu_ops.quant_linear
             assert torch.equal(qw.matmul(x), op(x, qw.qweight, qw.scales, qw.mins, 4)), \
                 (mode, m)
-        assert quant.act_mode() == (mode or ("auto" if cpu_ops.quant_a16_vectorized()
-                                             else "off"))
+        fast = cpu_ops.quant_a16_vectorized() or cpu_ops.quant_amx_usable()
+        assert quant.act_mode() == (mode or ("auto" if fast else "off"))
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4_MIN], ids=lambda f: f.name)

@@ -11,4 +11,5 @@
 #include "cpu_quant_linear.cpp"
 #include "cpu_quant_vnni.cpp"
 #include "cpu_quant_a16.cpp"
+#include "cpu_quant_amx.cpp"
 #include "cpu_decode_stack.cpp"

@@ -14,9 +14,10 @@
 //   qkv = h W_qkv^T; a = attention(rotary(q, k), store k and v); h = a W_o^T
 //   r += h, h = rms_norm(r); h = silu(h W_gate^T) * (h W_up^T); h = h W_down^T
 // Each linear takes quant_linear_a8 up to its bits' a8 row count, else quant_linear_a16
-// up to its a16 row count, else quant_linear (the caller passes nvllm/worker/layers/
-// quant.py's act_rows for each op at 4 and 8 bits); the caller sends only steps whose rows
-// quant_linear serves (native_max_rows).
+// up to its a16 row count, else quant_linear_amx from the AMX row count (0: never), else
+// quant_linear (the caller passes nvllm/worker/layers/quant.py's act_rows for each op at
+// 4 and 8 bits and its amx_min_rows); the caller sends only steps whose rows quant_linear
+// serves (native_max_rows).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -40,9 +41,10 @@ struct StackLayer {
   int64_t window = 0;
 };
 
-// Rows of x up to which a linear of 4 or 8 bits quantizes x to int8, or to int16.
+// Rows of x up to which a linear of 4 or 8 bits quantizes x to int8, or to int16; from
+// which it takes the AMX op (0: never).
 struct ActRows {
-  int64_t a8_4, a8_8, a16_4, a16_8;
+  int64_t a8_4, a8_8, a16_4, a16_8, amx;
 };
 
 at::Tensor stack_linear(const at::Tensor& x, const StackLinear& w, const ActRows& act) {
@@ -52,6 +54,8 @@ at::Tensor stack_linear(const at::Tensor& x, const StackLinear& w, const ActRows
     quant_linear_a8(out, x, w.qweight, w.scales, w.mins, w.bits);
   else if (rows <= (w.bits == 4 ? act.a16_4 : act.a16_8))
     quant_linear_a16(out, x, w.qweight, w.scales, w.mins, w.bits);
+  else if (act.amx > 0 && rows >= act.amx)
+    quant_linear_amx(out, x, w.qweight, w.scales, w.mins, w.bits);
   else
     quant_linear(out, x, w.qweight, w.scales, w.mins, w.bits);
   return out;
@@ -100,8 +104,8 @@ struct DecodeStack : torch::CustomClassHolder {
                                          std::optional<at::Tensor> bases_in,
                                          std::optional<at::Tensor> caps_in, int64_t a8_rows4,
                                          int64_t a8_rows8, int64_t a16_rows4,
-                                         int64_t a16_rows8) {
-    const ActRows act{a8_rows4, a8_rows8, a16_rows4, a16_rows8};
+                                         int64_t a16_rows8, int64_t amx_rows) {
+    const ActRows act{a8_rows4, a8_rows8, a16_rows4, a16_rows8, amx_rows};
     TORCH_CHECK(!layers.empty(), "DecodeStack: no layers");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous 2-D");
     const bool paged = block_tables.has_value();

@@ -22,7 +22,10 @@ repack with fp16-rounded scales (nvllm/worker/gguf_kquants.py).
 and integer dot products (``csrc/cpu_quant_a16.cpp``; results move by x's rounding, at
 most half of 1/32767 of the group's largest value per value); opt-in, x quantized to
 int8 instead (``csrc/cpu_quant_vnni.cpp``, AVX-512 VNNI or AVX2: llama.cpp's Q8
-activations); NVLLM_QUANT_ACTIVATIONS chooses; else nvllm's native op
+activations); on CPUs with Intel AMX, from ``amx_min_rows`` rows (prompt steps and
+batched decode), x split into two bfloat16s and AMX tiles (``csrc/cpu_quant_amx.cpp``;
+16 of x's significant bits, at most 2^-17 of each value off); NVLLM_QUANT_ACTIVATIONS
+chooses; else nvllm's native op
 (``csrc/cpu_quant_linear.cpp``, integers in registers, float32 accumulation) for up to
 ``native_max_rows`` rows, else a tile of W's rows dequantized into x's dtype (one native
 pass, or the torch reference ``dequantize`` without the native ops) and ``torch.mm``.
@@ -77,6 +80,12 @@ BUFFERED_MAX_ROWS = 256
 # Up to this many rows of x (by the weight's bits), the int8-activation op
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see act_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
+# From this many rows of x, the AMX op (csrc/cpu_quant_amx.cpp) under "auto" where it is
+# usable. Measured (scripts/bench_quant_linear.py --amx, SmolLM2-135M's shapes, 2 threads,
+# 2-core Xeon with AMX): 2-3x the native float op at 16 rows and the dequantized tiles at
+# 128, 1.5-2x the tiles at 2,048; at 8 rows even with the native op, at 1-4 rows 1.5-3x
+# slower (each 16 x 32 tile step costs the same for 1 row of x as for 16).
+AMX_MIN_ROWS = 8
 # Up to this many rows, the int16-activation op (csrc/cpu_quant_a16.cpp) where it is
 # built with its AVX2 loop: see act_rows. Measured (all of SmolLM2-135M's decode linears
 # read from memory, 2 threads, AVX2 EPYC): 1.2-1.4x the float op at one row, 1.1x at two,
@@ -85,16 +94,18 @@ A16_MAX_ROWS = {4: 2, 8: 2}
 # NVLLM_QUANT_ACTIVATIONS, how x meets quantized weights on CPU:
 #   "auto" (the default): x rounded to int16 per group of 32 up to A16_MAX_ROWS rows
 #     where that op's AVX2 loop is built (256x finer than int8, ~100x finer than
-#     bfloat16: greedy output on the real model within the near-tie rule), else float;
+#     bfloat16: greedy output on the real model within the near-tie rule); on CPUs with
+#     AMX, from AMX_MIN_ROWS rows, x split into two bfloat16s (16 significant bits, at
+#     most 2^-17 of each value off; bfloat16 x exact) and AMX tiles; else float;
 #   "off": activations stay in the run dtype everywhere, results equal dequantize-then-
 #     matmul up to float32 summation order (what the greedy-equality tests rely on);
 #   "int8": llama.cpp's int8 activations up to A8_MAX_ROWS rows where vectorized. Opt-in:
 #     on the real model it changes greedy output beyond the near-tie rule
 #     (docs/quantization.md, CPU kernels);
-#   "int8-always", "int16-always": every row count, for measuring their quality
-#     teacher-forced (slow on long prompts).
+#   "int8-always", "int16-always", "bf16x2-always" (AMX only): every row count, for
+#     measuring their quality teacher-forced (the first two slow on long prompts).
 ACT_ENV = "NVLLM_QUANT_ACTIVATIONS"
-ACT_MODES = ("auto", "off", "int8", "int8-always", "int16-always")
+ACT_MODES = ("auto", "off", "int8", "int8-always", "int16-always", "bf16x2-always")
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
 TILE_ROWS = 4096
 
@@ -198,6 +209,11 @@ class QuantizedWeight:
 
             out = cpu_ops.quant_linear_a16(x2, self.qweight, self.scales, self.mins,
                                            self.fmt.bits)
+        elif native and 0 < amx_min_rows() <= x2.shape[0]:
+            from nvllm.kernels import cpu_ops
+
+            out = cpu_ops.quant_linear_amx(x2, self.qweight, self.scales, self.mins,
+                                           self.fmt.bits)
         elif native and x2.shape[0] <= native_max_rows(x2.dtype):
             from nvllm.kernels import cpu_ops
 
@@ -231,23 +247,36 @@ _NATIVE: list[bool] = []
 _TRITON: list[bool] = []
 _BUFFERED: list[bool] = []
 _ACT: list[str] = []  # the mode in effect, once asked (see act_mode)
+_OPS: dict[str, bool] = {}  # which activation ops this build vectorizes (see _has_op)
+
+
+def _has_op(op: str) -> bool:
+    """Whether the native ops are loaded with op's fast loop: "a16" its AVX2 loop, "a8"
+    its VNNI / AVX2 one, "amx" the AMX op at all; asked once."""
+    if op not in _OPS:
+        from nvllm.kernels import cpu_ops
+
+        ask = {"a16": "quant_a16_vectorized", "a8": "quant_a8_vectorized",
+               "amx": "quant_amx_usable"}[op]
+        _OPS[op] = _native() and getattr(cpu_ops, ask)()
+    return _OPS[op]
 
 
 def act_mode() -> str:
     """NVLLM_QUANT_ACTIVATIONS (ACT_MODES; read once per process), with "auto" and
-    "int8" turned "off" where their op has no vector loop in this build (its portable
-    loop is slower than the float op)."""
+    "int8" turned "off" where none of their ops has a fast loop in this build (the
+    portable loops are slower than the float op)."""
     if not _ACT:
         mode = os.environ.get(ACT_ENV, "auto")
         if mode not in ACT_MODES:
             raise ValueError(f"{ACT_ENV}={mode!r}; expected one of {', '.join(ACT_MODES)}")
-        if mode in ("auto", "int8"):
-            from nvllm.kernels import cpu_ops
-
-            vectorized = (cpu_ops.quant_a16_vectorized if mode == "auto"
-                          else cpu_ops.quant_a8_vectorized)
-            if not (_native() and vectorized()):
-                mode = "off"
+        if mode == "auto" and not (_has_op("a16") or _has_op("amx")):
+            mode = "off"
+        elif mode == "int8" and not _has_op("a8"):
+            mode = "off"
+        elif mode == "bf16x2-always" and not _has_op("amx"):
+            raise ValueError(f"{ACT_ENV}=bf16x2-always needs the AMX op, which this CPU or "
+                             "build lacks (nvllm.kernels.cpu_ops.quant_amx_usable())")
         _ACT.append(mode)
     return _ACT[0]
 
@@ -264,10 +293,20 @@ def act_rows(op: str, fmt: QuantFormat) -> int:
     effect (act_mode): A8_MAX_ROWS under ``int8`` and A16_MAX_ROWS under ``auto`` (where
     each was measured faster than the float op, docs/quantization.md), any row count
     under ``int8-always`` / ``int16-always``."""
-    taken = _MODE_OPS.get(act_mode())
-    if taken is None or taken[0] != op:
+    mode = act_mode()
+    taken = _MODE_OPS.get(mode)
+    if taken is None or taken[0] != op or (mode == "auto" and not _has_op("a16")):
         return 0
     return 1 << 62 if taken[1] is None else taken[1].get(fmt.bits, 0)
+
+
+def amx_min_rows() -> int:
+    """Rows of x from which ``matmul`` takes the AMX op (0: never): AMX_MIN_ROWS under
+    ``auto`` where it is usable, 1 under ``bf16x2-always``."""
+    mode = act_mode()
+    if mode == "bf16x2-always":
+        return 1
+    return AMX_MIN_ROWS if mode == "auto" and _has_op("amx") else 0
 
 
 def native_max_rows(dtype: torch.dtype) -> int:

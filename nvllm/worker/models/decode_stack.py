@@ -32,6 +32,7 @@ from nvllm.worker.layers.quant import (
     QuantFormat,
     QuantizedWeight,
     act_rows,
+    amx_min_rows,
     native_max_rows,
 )
 
@@ -122,6 +123,7 @@ def run(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
         return None
     tables = rope_tables(layers[0])
     act = [act_rows(op, fmt) for op in ("a8", "a16") for fmt in (_INT4, _INT8)]
+    act.append(amx_min_rows())
     if meta.cpu_kv is not None:  # the contiguous copies (cpu_kv_mirror)
         dec = meta.cpu_kv.decode
         if dec is None or not cpu_attention.serves_all_rows(dec, meta, x.shape[0]):
