@@ -11,7 +11,7 @@ ops in each format against dense F.linear) and prints their speed-ups over the n
 Those shapes stay in cache between calls; a decode step reads every weight from memory:
 ``--step N`` times all of a SmolLM2 decode step's linears (30 layers of Q4_1, the Q8_0 LM
 head: 93 MiB, more than any cache) per op, the ops in turn N times (medians and 10th
-percentiles, layers and head apart).
+percentiles, layers and head apart; the AMX op too where it is usable).
 
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py [--threads 2] [--rows 1,2,4,8,16,32,64]
     PYTHONPATH=$PWD python scripts/bench_quant_linear.py --decode --threads 1
@@ -153,6 +153,8 @@ def step(rounds: int, rows: int) -> None:
     xs = {k: torch.randn(rows, k) for k in (576, 1536)}
     ops = {"native": cpu_ops.quant_linear, "a16": cpu_ops.quant_linear_a16,
            "a8": cpu_ops.quant_linear_a8}
+    if cpu_ops.quant_amx_usable():
+        ops["amx"] = cpu_ops.quant_linear_amx
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in ops}
     for r in range(rounds + 2):
         for name, op in ops.items():

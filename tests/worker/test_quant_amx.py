@@ -85,7 +85,8 @@ def test_bfloat16_x_is_exact_up_to_sums():
 @needs_amx
 def test_dispatch_from_amx_min_rows(monkeypatch):
     """auto: from AMX_MIN_ROWS rows matmul is the AMX op's result exactly, below it the
-    float op's; off: never the AMX op; bf16x2-always: the AMX op at every row count."""
+    int16 op's (up to A16_MAX_ROWS, its AVX2 loop built) or the float op's; off: never
+    the AMX op; bf16x2-always: the AMX op at every row count."""
     gen = torch.Generator().manual_seed(1)
     qw = weight(INT4_MIN, 40, 96, gen)
     args = (qw.qweight, qw.scales, qw.mins, 4)
@@ -98,7 +99,10 @@ def test_dispatch_from_amx_min_rows(monkeypatch):
         for m in (1, limit - 1, limit, 3 * limit):
             x = torch.randn(m, 96, generator=gen)
             amx = mode == "bf16x2-always" or (mode is None and m >= limit)
+            a16 = (mode is None and m <= quant.A16_MAX_ROWS[4]
+                   and cpu_ops.quant_a16_vectorized())
             want = (cpu_ops.quant_linear_amx(x, *args) if amx
+                    else cpu_ops.quant_linear_a16(x, *args) if a16
                     else cpu_ops.quant_linear(x, *args))
             if mode == "off" and m > quant.native_max_rows(x.dtype):
                 want = qw.matmul_tiles(x, True)

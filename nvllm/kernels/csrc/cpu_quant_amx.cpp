@@ -198,6 +198,11 @@ inline void unpack_group(const uint8_t* q, int64_t qrow, int cols, uint16_t* a) 
   }
 }
 
+#ifndef NVLLM_AMX_CHUNK
+#define NVLLM_AMX_CHUNK 4
+#endif
+constexpr int64_t kChunkGroups = NVLLM_AMX_CHUNK;
+
 // A column block's scales (and mins) as float32 [g][16 columns], gathered from W's
 // [N, G] rows (16-bit values read as the low halves of 32-bit gathers).
 template <typename MT>
@@ -223,11 +228,15 @@ void block_scales(const MT* src, int64_t n0, int cols, int64_t G, float* dst) {
 struct Scratch {
   std::vector<uint16_t> a;
   std::vector<float, std::allocator<float>> s, m;
-  explicit Scratch(int64_t G) : a(G * kTileElems + 32), s(G * kTile + 16), m(G * kTile + 16) {}
+  std::vector<float> c;
+  explicit Scratch(int64_t G)
+      : a(G * kTileElems + 32), s(G * kTile + 16), m(G * kTile + 16),
+        c(kChunkGroups * kTile * kTile + 16) {}
   // 64-byte aligned views
   uint16_t* a_at(int64_t i) { return aligned(a.data()) + i * kTileElems; }
   float* s_at() { return aligned(s.data()); }
   float* m_at() { return aligned(m.data()); }
+  float* c_at() { return aligned(c.data()); }
   template <typename P>
   static P* aligned(P* p) {
     return reinterpret_cast<P*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
@@ -276,32 +285,25 @@ void column_block(T* out, const PackedX& px, int64_t M, int64_t N, int64_t n0, i
   float* mg = sp.m_at();
   block_scales(s, n0, cols, G, sg);
   if constexpr (MIN) block_scales(mn, n0, cols, G, mg);
-  // one block of rows: each group unpacked just before its use, into a ring of two
-  // (L1-resident); more: every group once, then used by every block
-  const bool ring = px.blocks == 1;
+  // every group unpacked once, used by every block of x's rows
   if (cols < kTile) std::fill(sp.a.begin(), sp.a.end(), 0);
-  if (!ring)
-    for (int64_t g = 0; g < G; ++g)
-      unpack_group<BITS, MIN>(q0 + g * gbytes, qrow, cols, sp.a_at(g));
-  auto a_of = [&](int64_t g) {
-    if (!ring) return sp.a_at(g);
-    uint16_t* a = sp.a_at(g & 1);
-    unpack_group<BITS, MIN>(q0 + g * gbytes, qrow, cols, a);
-    return a;
-  };
-  alignas(64) float c0[kTile * kTile], c1[kTile * kTile];
-  float* c = c0;
+  for (int64_t g = 0; g < G; ++g)
+    unpack_group<BITS, MIN>(q0 + g * gbytes, qrow, cols, sp.a_at(g));
+  auto a_of = [&](int64_t g) { return sp.a_at(g); };
+  float* cb = sp.c_at();
+  alignas(64) float c[kTile * kTile];
   for (int64_t b = 0; b < px.blocks; ++b) {
     __m512 acc[kTile];
     for (int n = 0; n < kTile; ++n) acc[n] = _mm512_setzero_ps();
-    NVLLM_AMX_START(0, 0, 2, 4, 5, c0)
-    for (int64_t g = 0; g < G; g += 2) {
-      if (g + 1 < G) NVLLM_AMX_START(g + 1, 1, 3, 6, 7, c1)
-      NVLLM_AMX_READ(g, c0)
-      if (g + 1 < G) {
-        if (g + 2 < G) NVLLM_AMX_START(g + 2, 0, 2, 4, 5, c0)
-        NVLLM_AMX_READ(g + 1, c1)
+    // kChunkGroups groups' products (the tile unit) into cb, then their read-out (the
+    // vector units): each half runs a chunk's worth without waiting on the other
+    for (int64_t g0 = 0; g0 < G; g0 += kChunkGroups) {
+      const int64_t gn = std::min<int64_t>(kChunkGroups, G - g0);
+      for (int64_t j = 0; j < gn; j += 2) {
+        NVLLM_AMX_START(g0 + j, 0, 2, 4, 5, cb + j * kTile * kTile)
+        if (j + 1 < gn) NVLLM_AMX_START(g0 + j + 1, 1, 3, 6, 7, cb + (j + 1) * kTile * kTile)
       }
+      for (int64_t j = 0; j < gn; ++j) NVLLM_AMX_READ(g0 + j, (cb + j * kTile * kTile))
     }
     for (int n = 0; n < kTile; ++n) _mm512_store_ps(c + n * kTile, acc[n]);
     const int64_t rows = std::min<int64_t>(kTile, M - b * kTile);
@@ -319,8 +321,16 @@ void run_format(T* out, const PackedX& px, int64_t M, int64_t N, const uint8_t* 
   at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     Scratch sp(px.G);
+    const int64_t qrow = BITS == 8 ? px.G * kQuantGroup : px.G * kQuantGroup / 2;
     for (int64_t nb = begin; nb < end; ++nb) {
       const int cols = static_cast<int>(std::min<int64_t>(kTile, N - nb * kTile));
+      // the next block's 16 weight rows come from memory (at decode every weight does,
+      // once per step) while this one computes: 16 new streams at once start too late
+      // for the hardware prefetcher (measured: 2x the in-cache time without this)
+      if (nb + 1 < end)
+        nvllm_cpu::prefetch_columns<BITS, MIN, MT>((nb + 1) * kTile,
+                                                   std::min<int64_t>(kTile, N - (nb + 1) * kTile),
+                                                   qw, qrow, s, mn, px.G);
       column_block<BITS, MIN, T, MT>(out, px, M, N, nb * kTile, cols, qw, s, mn, sp);
     }
     _tile_release();

@@ -81,7 +81,7 @@ BUFFERED_MAX_ROWS = 256
 # (csrc/cpu_quant_vnni.cpp) where it is built with AVX-512 VNNI or AVX2: see act_rows.
 A8_MAX_ROWS = {4: 8, 8: 2}
 # From this many rows of x, the AMX op (csrc/cpu_quant_amx.cpp) under "auto" where it is
-# usable. Measured (scripts/bench_quant_linear.py --amx, SmolLM2-135M's shapes, 2 threads,
+# usable. Measured (scripts/bench_quant_linear.py --step, SmolLM2-135M's shapes, 2 threads,
 # 2-core Xeon with AMX): 2-3x the native float op at 16 rows and the dequantized tiles at
 # 128, 1.5-2x the tiles at 2,048; at 8 rows even with the native op, at 1-4 rows 1.5-3x
 # slower (each 16 x 32 tile step costs the same for 1 row of x as for 16).
