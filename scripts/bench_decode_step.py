@@ -6,7 +6,8 @@ the steps of the same sequences, so a shared machine's noise falls on all alike:
 and 10th percentile of each, and their ratios to off. `--streams` sequences (1 by default)
 from context 128 on, their prompts in one step first (timed too), 2 torch threads by
 default. `--streams 16` is the decode step of the llama.cpp comparison's c=16 run
-(docs/benchmarks.md); its rows take the float op under every mode but int8.
+(docs/benchmarks.md); its rows take the float op under every mode but int8, and under
+auto the AMX op on CPUs with AMX.
 
     PYTHONPATH=$PWD python scripts/bench_decode_step.py [--threads 2] [--steps 400]
         [--streams 1] [--no-cpu-kv-mirror] [--kv-cache-dtype bfloat16]
@@ -59,7 +60,8 @@ def main() -> None:
     print(f"prompt step ({args.streams} x {PROMPT} tokens): "
           f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
     n, step = PROMPT, 1
-    modes = ("off", "auto", "int8")
+    # NVLLM_BENCH_MODES: a comma-separated subset, e.g. "auto" alone under a profiler
+    modes = tuple(os.environ.get("NVLLM_BENCH_MODES", "off,auto,int8").split(","))
     times: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(args.steps):
         mode = modes[k % len(modes)]
