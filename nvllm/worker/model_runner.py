@@ -22,6 +22,7 @@ from nvllm.kernels.ops import resolve_backend, uses_cpu_attention
 from nvllm.worker.cuda_graph import CUDAGraphRunner
 from nvllm.worker.draft_runner import DraftRunner
 from nvllm.worker.input_batch import InputBatch, InvalidPlan, StepBatch
+from nvllm.worker.layers import quant
 from nvllm.worker.layers.linear import pack_for_cpu
 from nvllm.worker.loader import load_weights
 from nvllm.worker.models import MODEL_REGISTRY, decode_stack
@@ -82,6 +83,8 @@ class ModelRunner:
             share_tied_head(self.model)
         logger.info("rank %d holds %.1f MiB of weights (quantization=%s)", tp.rank,
                     weight_bytes(self.model) / 2**20, config.quantization)
+        if self.quantized and device.type == "cpu" and tp.rank == 0:
+            logger.info("quantized linears on this CPU: %s", quant.describe_cpu_routes())
         self.model.eval()
         if device.type == "cpu" and config.cpu_onednn_linear:
             pack_for_cpu(self.model)

@@ -151,3 +151,18 @@ def test_tiny_model_logits_with_bf16x2_activations(qwen3_h256, monkeypatch, fmt)
     assert float(kl.max()) <= 1e-4 and float(kl.mean()) <= 1e-5 and top1 == 1.0, \
         (float(kl.max()), float(kl.mean()), top1)
     assert float(kl.mean()) > 0  # x was split: the logits moved
+
+
+def test_worker_log_names_the_routes(monkeypatch):
+    """What a worker logs at load names each op the mode takes on this build, with its
+    row limits: AMX's where it is usable, none of them under off."""
+    if not cpu_ops.load():
+        pytest.skip("nvllm's CPU ops did not build")
+    monkeypatch.setattr(quant, "_ACT", ["auto"])
+    text = quant.describe_cpu_routes()
+    assert ("AMX" in text) == AMX and (f"from {quant.AMX_MIN_ROWS} rows" in text) == AMX
+    assert ("int16" in text) == cpu_ops.quant_a16_vectorized()
+    monkeypatch.setattr(quant, "_ACT", ["off"])
+    text = quant.describe_cpu_routes()
+    assert "AMX" not in text and "int16" not in text and text.startswith(
+        f"{quant.ACT_ENV}=off: the float op up to")

@@ -309,6 +309,31 @@ def amx_min_rows() -> int:
     return AMX_MIN_ROWS if mode == "auto" and _has_op("amx") else 0
 
 
+def describe_cpu_routes() -> str:
+    """Which op ``matmul`` takes by row count on this CPU and build, under the mode in
+    effect (float32 x): what a worker logs once at load."""
+    mode = act_mode()
+    if not _native():
+        return f"{ACT_ENV}={mode}: dequantized tiles and torch.mm (no native CPU ops)"
+    fmt = INT4_MIN
+    parts = []
+    if a8 := act_rows("a8", fmt):
+        parts.append("x in int8 " + ("at every row count" if a8 > 1 << 40
+                                      else f"up to {a8} rows (int4; int8: {act_rows('a8', INT8)})"))
+    if a16 := act_rows("a16", fmt):
+        parts.append("x in int16 " + ("at every row count" if a16 > 1 << 40
+                                       else f"up to {a16} rows"))
+    amx = amx_min_rows()
+    if amx:
+        parts.append("AMX (x as two bfloat16s) " + ("at every row count" if amx == 1
+                                                    else f"from {amx} rows"))
+    if amx != 1:
+        rest = (f"the float op up to {native_max_rows(torch.float32)} rows, dequantized "
+                "tiles beyond")
+        parts.append(f"else {rest}" if parts else rest)
+    return f"{ACT_ENV}={mode}: " + "; ".join(parts)
+
+
 def native_max_rows(dtype: torch.dtype) -> int:
     """Rows of x up to which ``matmul`` takes the native op (float32 / bfloat16 x on CPU):
     BUFFERED_MAX_ROWS where the op was built with its buffered kernel (AVX2: measured
