@@ -154,15 +154,11 @@ AMX_LABEL = "GGUF blocks, x as 2 bf16 (AMX)"
 ACTS = {A8_LABEL: "int8-always", A16_LABEL: "int16-always", AMX_LABEL: "bf16x2-always"}
 
 
-def amx_usable() -> bool:
-    from nvllm.kernels import cpu_ops
-
-    return cpu_ops.load() and cpu_ops.quant_amx_usable()
-
 
 def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
     """(label, model path, quantization) of each variant, the reference first."""
     from nvllm.common.config import QUANTIZATIONS
+    from nvllm.kernels.cpu_ops import quant_amx_usable
 
     at_load = ["int8", "int4"] + (["fp8"] if with_fp8 and "fp8" in QUANTIZATIONS else [])
     if model.endswith(".gguf"):
@@ -171,7 +167,7 @@ def variants(model: str, with_fp8: bool) -> list[tuple[str, str, str]]:
                  ("GGUF blocks kept (auto)", model, "auto"),
                  (A16_LABEL, model, "auto"),
                  (A8_LABEL, model, "auto")]
-                + ([(AMX_LABEL, model, "auto")] if amx_usable() else [])
+                + ([(AMX_LABEL, model, "auto")] if quant_amx_usable() else [])
                 + [("float32 checkpoint", dense, "none")]
                 + [(f"{q} at load", dense, q) for q in at_load])
     return ([("reference: float32", model, "none")]

@@ -300,10 +300,10 @@ def quant_linear_amx(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 def quant_amx_usable() -> bool:
-    """Whether quant_linear_amx was built (a compiler targeting AMX-TILE, AMX-BF16 and
-    AVX512-BF16 on Linux: -march=native on such a CPU) and the kernel lets this process use
-    the tile registers."""
-    return bool(torch.ops.nvllm_cpu.quant_amx_usable())
+    """Whether the ops load and quant_linear_amx was built (a compiler targeting AMX-TILE,
+    AMX-BF16 and AVX512-BF16 on Linux: -march=native on such a CPU) and the kernel lets
+    this process use the tile registers."""
+    return load() and bool(torch.ops.nvllm_cpu.quant_amx_usable())
 
 
 def quant_linear_buffered() -> bool:

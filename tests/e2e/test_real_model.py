@@ -22,6 +22,7 @@ import pytest
 
 from nvllm import LLM, SamplingParams
 from nvllm.common.model_source import resolve_model_source
+from nvllm.kernels.cpu_ops import quant_amx_usable
 from nvllm.worker.layers.quant import ACT_ENV
 from tests.support import hf_ref
 
@@ -89,18 +90,12 @@ def engine_greedy(path: str, tp: int, acts: str = "off"
     return [o.token_ids for o in outs], [o.text for o in outs], info
 
 
-def _amx() -> bool:
-    from nvllm.kernels import cpu_ops
-
-    return cpu_ops.load() and cpu_ops.quant_amx_usable()
-
-
 @pytest.mark.parametrize("tp,acts", [
     (1, "off"), (2, "off"), (1, "auto"),
     # every row, decode steps too, through the AMX op (what auto gives steps of 8 rows
     # or more on such a CPU)
     pytest.param(1, "bf16x2-always",
-                 marks=pytest.mark.skipif(not _amx(), reason="no AMX on this CPU"))])
+                 marks=pytest.mark.skipif(not quant_amx_usable(), reason="no AMX on this CPU"))])
 def test_greedy_equals_hf_on_transformers_dequantization(smollm2, monkeypatch, tp, acts):
     monkeypatch.setenv(ACT_ENV, acts)
     got, texts, info = engine_greedy(smollm2, tp, acts)

@@ -26,7 +26,7 @@ from nvllm.worker.layers.quant import INT4, INT4_MIN, INT4_MIN32, INT8, INT8_MIN
 from tests.support.float_bounds import EPS32
 from tests.support.quant_acts import SHAPES, kl_top1, sample_x, tiny_model_logits, weight
 
-AMX = cpu_ops.load() and cpu_ops.quant_amx_usable()
+AMX = cpu_ops.quant_amx_usable()
 needs_amx = pytest.mark.skipif(not AMX, reason="no AMX on this CPU (or the ops did not build)")
 
 FORMATS = [INT8, INT8_MIN, INT4, INT4_MIN, INT4_MIN32]

@@ -151,35 +151,26 @@ PackedX pack_x(const T* x, int64_t M, int64_t K) {
   return px;
 }
 
-// bfloat16 bits of a small integer (exact: |v| < 256).
-constexpr uint16_t int_bf16(int v) {
-  if (v == 0) return 0;
-  const uint16_t sign = v < 0 ? 0x8000 : 0;
-  int a = v < 0 ? -v : v, e = 0;
-  while ((a >> e) > 1) ++e;
-  // a = 1.m * 2^e: 7 mantissa bits below the leading one
-  return static_cast<uint16_t>(sign | ((127 + e) << 7) | (((a << 7) >> e) & 0x7F));
-}
-// vpermw tables (32 entries, indexed by 5 bits): a nibble's value, and its value - 8
+// vpermw tables (32 entries, indexed by 5 bits): a nibble's value, and its value - 8, in
+// bfloat16 (small integers: exact).
 struct alignas(64) NibbleTable {
   uint16_t v[32];
 };
-constexpr NibbleTable make_nibble_table(int offset) {
+NibbleTable nibble_table(int offset) {
   NibbleTable t{};
-  for (int i = 0; i < 32; ++i) t.v[i] = int_bf16((i & 15) - offset);
+  for (int i = 0; i < 32; ++i)
+    t.v[i] = nvllm_cpu::from_float<uint16_t>(static_cast<float>((i & 15) - offset));
   return t;
 }
-constexpr NibbleTable kNibbleTable = make_nibble_table(0);
-constexpr NibbleTable kNibbleTableCentered = make_nibble_table(8);
-constexpr const uint16_t* kNibbleBf16 = kNibbleTable.v;
-constexpr const uint16_t* kNibbleBf16Centered = kNibbleTableCentered.v;
+const NibbleTable kNibbleTable = nibble_table(0);
+const NibbleTable kNibbleTableCentered = nibble_table(8);
 
 // One weight group of up to 16 output columns into tile A's layout (row = column, lane i =
 // the pair (value i, value i + 16)); rows past `cols` stay as they were (zero).
 template <int BITS, bool MIN>
 inline void unpack_group(const uint8_t* q, int64_t qrow, int cols, uint16_t* a) {
   if constexpr (BITS == 4) {
-    const __m512i tab = _mm512_load_si512(MIN ? kNibbleBf16 : kNibbleBf16Centered);
+    const __m512i tab = _mm512_load_si512((MIN ? kNibbleTable : kNibbleTableCentered).v);
     const __m512i lowmask = _mm512_set1_epi32(0x000F000F);
     for (int n = 0; n < cols; ++n) {
       const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * qrow)));
@@ -226,8 +217,7 @@ void block_scales(const MT* src, int64_t n0, int cols, int64_t G, float* dst) {
 // products as read from the C tiles.
 struct Scratch {
   std::vector<uint16_t> a;
-  std::vector<float, std::allocator<float>> s, m;
-  std::vector<float> c;
+  std::vector<float> s, m, c;
   explicit Scratch(int64_t G)
       : a(G * kTileElems + 32), s(G * kTile + 16), m(G * kTile + 16),
         c(kChunkGroups * kTile * kTile + 16) {}
@@ -249,7 +239,7 @@ struct Scratch {
   {                                                                                         \
     const int64_t t = b * G + (G_);                                                         \
     _tile_zero(CT);                                                                         \
-    _tile_loadd(AT, a_of(G_), 64);                                                          \
+    _tile_loadd(AT, sp.a_at(G_), 64);                                                       \
     _tile_loadd(HT, px.hi.data() + t * kTileElems, 64);                                     \
     _tile_dpbf16ps(CT, AT, HT);                                                             \
     if (px.has_lo) {                                                                        \
@@ -287,7 +277,6 @@ void column_block(T* out, const PackedX& px, int64_t M, int64_t N, int64_t n0, i
   if (cols < kTile) std::fill(sp.a.begin(), sp.a.end(), 0);
   for (int64_t g = 0; g < G; ++g)
     unpack_group<BITS, MIN>(q0 + g * gbytes, qrow, cols, sp.a_at(g));
-  auto a_of = [&](int64_t g) { return sp.a_at(g); };
   float* cb = sp.c_at();
   alignas(64) float c[kTile * kTile];
   for (int64_t b = 0; b < px.blocks; ++b) {

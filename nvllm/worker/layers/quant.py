@@ -106,6 +106,8 @@ A16_MAX_ROWS = {4: 2, 8: 2}
 #     measuring their quality teacher-forced (the first two slow on long prompts).
 ACT_ENV = "NVLLM_QUANT_ACTIVATIONS"
 ACT_MODES = ("auto", "off", "int8", "int8-always", "int16-always", "bf16x2-always")
+# act_rows under the *-always modes: no row count is above it
+EVERY_ROW = 1 << 62
 # Rows of W dequantized at once on the tile path (a 4096 x 576 float32 tile is 9 MiB).
 TILE_ROWS = 4096
 
@@ -297,7 +299,7 @@ def act_rows(op: str, fmt: QuantFormat) -> int:
     taken = _MODE_OPS.get(mode)
     if taken is None or taken[0] != op or (mode == "auto" and not _has_op("a16")):
         return 0
-    return 1 << 62 if taken[1] is None else taken[1].get(fmt.bits, 0)
+    return EVERY_ROW if taken[1] is None else taken[1].get(fmt.bits, 0)
 
 
 def amx_min_rows() -> int:
@@ -318,10 +320,10 @@ def describe_cpu_routes() -> str:
     fmt = INT4_MIN
     parts = []
     if a8 := act_rows("a8", fmt):
-        parts.append("x in int8 " + ("at every row count" if a8 > 1 << 40
+        parts.append("x in int8 " + ("at every row count" if a8 == EVERY_ROW
                                       else f"up to {a8} rows (int4; int8: {act_rows('a8', INT8)})"))
     if a16 := act_rows("a16", fmt):
-        parts.append("x in int16 " + ("at every row count" if a16 > 1 << 40
+        parts.append("x in int16 " + ("at every row count" if a16 == EVERY_ROW
                                        else f"up to {a16} rows"))
     amx = amx_min_rows()
     if amx:
